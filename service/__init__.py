@@ -1,0 +1,1 @@
+"""analysis-queue: a per-user analysis queue on PostgreSQL."""

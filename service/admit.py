@@ -1,0 +1,171 @@
+"""Admission: every check a click can fail happens here, synchronously, before the job exists.
+
+Order of an admit (no database transaction is ever held across the call to Core):
+  1. ``reserve``: resolve the Idempotency-Key, check the balance, reserve a fresh run id.
+  2. Core creates the run *held*: it validates sources and thesis and can refuse.
+  3. ``admit``: under the user lock, debit and insert the job, ``queued`` or ``pending``.
+A refusal at any step leaves no job, no debit and no held run behind; where the process dies
+between steps, the reservation row tells the sweep which held run to cancel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+import orjson
+
+from . import errors
+from .core_client import CoreClient
+from .db import Database
+from .models import Job
+
+log = logging.getLogger(__name__)
+
+
+def request_hash(body: dict[str, Any]) -> str:
+    """A stable fingerprint of a request body, to tell a retry from a different request."""
+    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+@dataclass(frozen=True)
+class Admitted:
+    job: Job
+    created: bool  # False when an Idempotency-Key replay returned the earlier job
+
+
+class Admitter:
+    def __init__(self, db: Database, core: CoreClient, *, analysis_cost: int, recheck_cost: int):
+        self.db = db
+        self.core = core
+        self.analysis_cost = analysis_cost
+        self.recheck_cost = recheck_cost
+
+    async def admit(
+        self,
+        user_id: str,
+        thesis: dict[str, Any],
+        sources: list[str],
+        *,
+        idempotency_key: str | None = None,
+    ) -> Admitted:
+        body_hash = request_hash({"thesis": thesis, "sources": sources})
+        return await self._admit(
+            user_id,
+            thesis,
+            sources,
+            cost=self.analysis_cost,
+            delta_of=None,
+            idempotency_key=idempotency_key,
+            body_hash=body_hash,
+        )
+
+    async def recheck(self, user_id: str, parent_id: UUID, sources: list[str]) -> Admitted:
+        """A delta re-check: skips the queue and never blocks first-pass jobs."""
+        parent = await self.db.job_for_recheck(parent_id, user_id)
+        if parent is None:
+            raise errors.NotFound()
+        if parent["status"] != "succeeded":
+            raise errors.Conflict("Only a succeeded analysis can be re-checked.")
+        root = parent["delta_of_job_id"] or parent["id"]
+        return await self._admit(
+            user_id,
+            parent["thesis"],
+            sources,
+            cost=self.recheck_cost,
+            delta_of=root,
+            idempotency_key=None,
+            body_hash=None,
+        )
+
+    async def _admit(
+        self,
+        user_id: str,
+        thesis: dict[str, Any],
+        sources: list[str],
+        *,
+        cost: int,
+        delta_of: UUID | None,
+        idempotency_key: str | None,
+        body_hash: str | None,
+    ) -> Admitted:
+        job_id, run_id = uuid.uuid4(), uuid.uuid4()
+        reservation = await self.db.reserve(
+            user_id=user_id,
+            run_id=run_id,
+            job_id=job_id,
+            cost=cost,
+            thesis=thesis,
+            sources=sources,
+            idempotency_key=idempotency_key,
+            request_hash=body_hash,
+        )
+        if reservation.outcome == "existing" and reservation.job_id is not None:
+            earlier = await self.db.get_job(reservation.job_id, user_id)
+            if earlier is None:  # admitted, then deleted by the user: still the same request
+                raise errors.Conflict("The analysis admitted with this key was deleted.")
+            return Admitted(earlier, created=False)
+        if reservation.outcome == "key_reused":
+            raise errors.IdempotencyKeyReused()
+        if reservation.outcome == "in_progress":
+            raise errors.IdempotencyInProgress()
+        if reservation.outcome == "insufficient_credits":
+            raise errors.InsufficientCredits(
+                f"Starting an analysis costs {cost} credit(s); the balance is "
+                f"{reservation.balance}."
+            )
+
+        try:
+            core_run = await self.core.create_held(str(run_id), user_id, thesis, sources)
+        except errors.CoreRefused:
+            # Core refused: it made no run. Nothing is left behind.
+            await self.db.release_reservation(run_id)
+            raise
+        except errors.CoreUnavailable:
+            # Core may or may not have made the run; the sweep re-asks it and cancels.
+            await self.db.orphan_reservation(run_id)
+            raise
+
+        try:
+            job = await self.db.admit(
+                job_id=job_id,
+                user_id=user_id,
+                run_id=run_id,
+                core_run_id=core_run.id,
+                thesis=thesis,
+                sources=sources,
+                cost=cost,
+                delta_of=delta_of,
+                idempotency_key=idempotency_key,
+                request_hash=body_hash,
+            )
+        except errors.InsufficientCredits:
+            # A concurrent admit spent the credit between reserve and debit: a definite
+            # refusal, rolled back. Cancel the held run now; the sweep covers a failure.
+            await self._abandon(run_id, core_run.id)
+            raise
+        # Any other failure (database gone, commit outcome unknown) leaves the reservation:
+        # if the admit did commit, the reservation is gone with it; if not, the sweep cancels.
+        log.info(
+            "admitted",
+            extra={
+                "action": "admit",
+                "job_id": str(job.id),
+                "user_id": user_id,
+                "status": job.status,
+                "delta": delta_of is not None,
+            },
+        )
+        return Admitted(job, created=True)
+
+    async def _abandon(self, run_id: UUID, core_run_id: str) -> None:
+        try:
+            await self.core.cancel(core_run_id)
+        except errors.AppError:
+            await self.db.set_reservation_core_run(run_id, core_run_id)
+            return
+        await self.db.release_reservation(run_id)

@@ -1,0 +1,313 @@
+"""The HTTP API: routes, body parsing, and the one middleware that maps errors to problem+json."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from uuid import UUID
+
+import orjson
+import pydantic
+from aiohttp import web
+
+from . import errors
+from .auth import require_admin, user_from_header
+from .completion import apply_core_run
+from .core_client import CoreRun, verify_callback
+from .models import OPEN_STATUSES, StaleReservation
+from .schemas import AnalysisRequest, CreditGrant, RecheckRequest
+from .state import SERVICES, Services
+
+log = logging.getLogger(__name__)
+
+PROBLEM_TYPE_BASE = "https://analysis-queue.invalid/problems/"
+MAX_IDEMPOTENCY_KEY_LEN = 200
+Model = TypeVar("Model", bound=pydantic.BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+routes = web.RouteTableDef()
+
+
+def json_response(
+    payload: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(payload), status=status, content_type="application/json", headers=headers
+    )
+
+
+def problem(error: errors.AppError, instance: str) -> web.Response:
+    body: dict[str, Any] = {
+        "type": PROBLEM_TYPE_BASE + error.code,
+        "title": error.title,
+        "status": error.status,
+        "detail": error.detail,
+        "code": error.code,
+        "instance": instance,
+    }
+    body.update({k: v for k, v in error.extra.items() if k not in body})
+    return web.Response(
+        body=orjson.dumps(body),
+        status=error.status,
+        content_type="application/problem+json",
+        headers=error.headers,
+    )
+
+
+_HTTP_ERRORS: dict[int, type[errors.AppError]] = {
+    404: errors.NotFound,
+    405: errors.MethodNotAllowed,
+    413: errors.PayloadTooLarge,
+}
+
+
+@web.middleware
+async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error becomes application/problem+json; no traceback ever reaches a client."""
+    try:
+        return await handler(request)
+    except errors.AppError as exc:
+        if exc.status >= 500:
+            log.warning(
+                "request failed",
+                extra={"action": "http", "code": exc.code, "path": request.path},
+            )
+        return problem(exc, request.path)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        mapped = _HTTP_ERRORS.get(exc.status)
+        if mapped is None:
+            raise
+        return problem(mapped(), request.path)
+    except Exception:
+        log.exception("unhandled error", extra={"action": "http", "path": request.path})
+        return problem(errors.AppError(), request.path)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _services(request: web.Request) -> Services:
+    return request.app[SERVICES]
+
+
+def _user(request: web.Request) -> str:
+    return user_from_header(
+        request.headers.get("Authorization"), _services(request).settings.jwt_secret
+    )
+
+
+async def _body(request: web.Request, model: type[Model]) -> Model:
+    if request.content_type != "application/json":
+        raise errors.UnsupportedMediaType()
+    raw = await request.read()
+    try:
+        data = orjson.loads(raw)
+    except (orjson.JSONDecodeError, RecursionError) as exc:
+        raise errors.MalformedRequest() from exc
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        problems = [
+            {"field": ".".join(str(p) for p in e["loc"]) or "(body)", "message": e["msg"]}
+            for e in exc.errors(include_url=False, include_input=False)
+        ]
+        raise errors.InvalidBody("The request body is invalid.", errors=problems) from exc
+
+
+def _job_id(request: web.Request) -> UUID:
+    try:
+        return UUID(request.match_info["job_id"])
+    except ValueError as exc:
+        raise errors.NotFound() from exc
+
+
+def _idempotency_key(request: web.Request) -> str | None:
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        return None
+    if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_LEN or not key.isprintable():
+        raise errors.InvalidBody("Idempotency-Key must be 1-200 printable characters.")
+    return key
+
+
+# -- analyses -----------------------------------------------------------------------------------
+
+
+@routes.post("/v1/analyses")
+async def create_analysis(request: web.Request) -> web.Response:
+    user_id = _user(request)
+    body = await _body(request, AnalysisRequest)
+    services = _services(request)
+    admitted = await services.admitter.admit(
+        user_id,
+        body.thesis.model_dump(),
+        list(body.sources),
+        idempotency_key=_idempotency_key(request),
+    )
+    if admitted.created and admitted.job.status == "pending":
+        services.dispatcher.submit(admitted.job.id)  # skip the NOTIFY hop for our own admit
+    headers = {"Location": f"/v1/analyses/{admitted.job.id}"}
+    if not admitted.created:
+        headers["Idempotent-Replayed"] = "true"
+    job = admitted.job
+    if job.status == "queued" and admitted.created:
+        job = await services.db.get_job(job.id, user_id) or job  # fill in queue_position
+    return json_response(job.to_json(), status=201, headers=headers)
+
+
+@routes.get("/v1/analyses")
+async def list_analyses(request: web.Request) -> web.Response:
+    user_id = _user(request)
+    jobs = await _services(request).db.list_jobs(user_id)
+    return json_response({"analyses": [j.to_json() for j in jobs]})
+
+
+@routes.get("/v1/analyses/{job_id}")
+async def get_analysis(request: web.Request) -> web.Response:
+    user_id = _user(request)
+    job = await _services(request).db.get_job(_job_id(request), user_id)
+    if job is None:
+        raise errors.NotFound()
+    return json_response(job.to_json())
+
+
+@routes.delete("/v1/analyses/{job_id}")
+async def delete_analysis(request: web.Request) -> web.Response:
+    """Soft delete. A queued or pending job is cancelled and refunded; a running one is
+    cancelled in Core. The slot frees and the user's next job is promoted."""
+    user_id = _user(request)
+    services = _services(request)
+    result = await services.db.finish(
+        job_id=_job_id(request),
+        user_id=user_id,
+        status="cancelled",
+        from_statuses=tuple(OPEN_STATUSES),
+        delete=True,
+        error_code="cancelled_by_user",
+        error_detail="Cancelled by the user.",
+    )
+    if result is None or (not result.changed and result.job.deleted_at is not None):
+        raise errors.NotFound()
+    job = result.job
+    if result.promoted is not None:
+        services.dispatcher.submit(result.promoted.id)
+    if result.changed and result.old_status in OPEN_STATUSES and job.core_run_id:
+        try:
+            await services.core.cancel(job.core_run_id)
+        except errors.AppError:
+            # Leave it to the sweep, which cancels held runs it finds in the reservations.
+            await services.db.put_back_reservation(
+                StaleReservation(
+                    job.run_id, job.id, job.user_id, job.core_run_id, job.thesis, job.sources
+                )
+            )
+    log.info(
+        "deleted",
+        extra={
+            "action": "delete",
+            "job_id": str(job.id),
+            "user_id": user_id,
+            "was": result.old_status,
+        },
+    )
+    return json_response(job.to_json())
+
+
+@routes.post("/v1/analyses/{job_id}/rechecks")
+async def create_recheck(request: web.Request) -> web.Response:
+    user_id = _user(request)
+    parent_id = _job_id(request)
+    body = await _body(request, RecheckRequest)
+    services = _services(request)
+    admitted = await services.admitter.recheck(user_id, parent_id, list(body.sources))
+    services.dispatcher.submit(admitted.job.id)
+    return json_response(
+        admitted.job.to_json(),
+        status=201,
+        headers={"Location": f"/v1/analyses/{admitted.job.id}"},
+    )
+
+
+# -- credits ------------------------------------------------------------------------------------
+
+
+@routes.get("/v1/credits")
+async def get_credits(request: web.Request) -> web.Response:
+    user_id = _user(request)
+    return json_response({"balance": await _services(request).db.balance(user_id)})
+
+
+@routes.post("/v1/admin/credits")
+async def grant_credits(request: web.Request) -> web.Response:
+    services = _services(request)
+    require_admin(request.headers.get("Authorization"), services.settings.admin_token)
+    body = await _body(request, CreditGrant)
+    balance = await services.db.grant_credits(body.user_id, body.amount, body.note)
+    log.info(
+        "credits granted", extra={"action": "grant", "user_id": body.user_id, "amount": body.amount}
+    )
+    return json_response({"user_id": body.user_id, "balance": balance})
+
+
+# -- Core callbacks -----------------------------------------------------------------------------
+
+
+@routes.post("/v1/core/events")
+async def core_event(request: web.Request) -> web.Response:
+    services = _services(request)
+    raw = await request.read()
+    if not verify_callback(
+        services.settings.core_callback_secret,
+        request.headers.get("X-Core-Timestamp"),
+        request.headers.get("X-Core-Signature"),
+        raw,
+        now=time.time(),
+    ):
+        raise errors.InvalidSignature()
+    try:
+        run = CoreRun.from_json(orjson.loads(raw))
+    except (orjson.JSONDecodeError, RecursionError, ValueError, TypeError) as exc:
+        raise errors.MalformedRequest("The event is not a run.") from exc
+    outcome = await apply_core_run(services.db, services.dispatcher, run)
+    return json_response({"outcome": outcome})
+
+
+# -- health -------------------------------------------------------------------------------------
+
+
+@routes.get("/healthz")
+async def healthz(_request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+@routes.get("/readyz")
+async def readyz(request: web.Request) -> web.Response:
+    services = _services(request)
+    checks: dict[str, bool] = {}
+    try:
+        await services.db.ping()
+        checks["database"] = True
+    except errors.DatabaseUnavailable:
+        checks["database"] = False
+    checks["listener"] = services.listener is None or services.listener.healthy
+    checks["migrations"] = services.migrated
+    ready = all(checks.values()) and not services.stopping
+    return json_response(
+        {"status": "ready" if ready else "not_ready", "checks": checks},
+        status=200 if ready else 503,
+    )
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = request.headers.get("X-Request-ID", "")
+    if not (0 < len(request_id) <= 100 and request_id.isprintable()):
+        request_id = uuid.uuid4().hex
+    response = await handler(request)
+    response.headers["X-Request-ID"] = request_id
+    return response

@@ -1,0 +1,172 @@
+"""Wiring: build the aiohttp application and own the lifecycle of everything it runs.
+
+Start order (``cleanup_ctx``): database (embedded server if no URL, migrations, pool) -> Core
+(client, or the in-process simulator) -> queue services (dispatcher, listener, sweep). Shutdown
+runs it backwards after aiohttp has stopped taking requests and waited for in-flight ones.
+If a background loop dies, the instance reports it and stops instead of limping on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from . import api
+from .admit import Admitter
+from .config import Settings
+from .core_client import CoreClient
+from .core_sim import CoreSimulator
+from .db import Database, apply_migrations
+from .dispatch import Dispatcher, DispatchSettings
+from .embedded import start_embedded
+from .listener import Listener, ListenerSettings
+from .state import SERVICES, Services
+from .sweeper import Sweeper, SweepSettings
+
+log = logging.getLogger(__name__)
+
+CLIENT_MAX_SIZE = 1024 * 1024  # request bodies; a thesis is a URL, not the document
+
+
+async def resolve_dsn(settings: Settings) -> str:
+    if settings.database_url:
+        return settings.database_url
+    return await asyncio.to_thread(start_embedded, settings.data_dir)
+
+
+def build_app(
+    settings: Settings,
+    *,
+    on_fatal: Callable[[str], None] | None = None,
+) -> web.Application:
+    """The service as an aiohttp application. ``on_fatal`` is called if a loop dies."""
+    settings = settings.with_generated_secrets()
+    app = web.Application(
+        middlewares=[api.request_id_middleware, api.problem_middleware],
+        client_max_size=CLIENT_MAX_SIZE,
+    )
+    app.add_routes(api.routes)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        dsn = await resolve_dsn(settings)
+        await apply_migrations(dsn)
+        db = await Database.connect(
+            dsn,
+            min_size=settings.pool_min_size,
+            max_size=settings.pool_max_size,
+            application_name=f"analysis-queue {settings.instance_id}",
+        )
+        simulator: CoreSimulator | None = None
+        core_url = settings.core_url
+        if not core_url:
+            simulator = CoreSimulator(
+                callback_urls=[settings.callback_base_url.rstrip("/") + "/v1/core/events"],
+                callback_secret=settings.core_callback_secret,
+                judge_time_s=settings.sim_judge_time_s,
+            )
+            core_url = await simulator.start()
+        core = CoreClient(core_url, timeout_s=settings.core_timeout_s)
+        await core.start()
+        services = _make_services(settings, db, core, simulator)
+        app[SERVICES] = services
+        services.migrated = not await db.pending_migrations()
+        _start_loops(services, on_fatal)
+        log.info(
+            "service started",
+            extra={"action": "start", "instance": settings.instance_id, "core_url": core_url},
+        )
+        try:
+            yield
+        finally:
+            services.stopping = True
+            if services.listener is not None:
+                await services.listener.stop()
+            await services.sweeper.stop()
+            await services.dispatcher.stop(settings.shutdown_timeout_s)
+            await core.close()
+            if simulator is not None:
+                await simulator.stop()
+            await db.close()
+            log.info("service stopped", extra={"action": "stop", "instance": settings.instance_id})
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def _make_services(
+    settings: Settings, db: Database, core: CoreClient, simulator: CoreSimulator | None
+) -> Services:
+    dispatcher = Dispatcher(
+        db,
+        core,
+        DispatchSettings(
+            instance_id=settings.instance_id,
+            claim_lease_s=settings.claim_lease_s,
+            release_window_s=settings.release_window_s,
+            backoff_base_s=settings.release_backoff_base_s,
+            backoff_max_s=settings.release_backoff_max_s,
+            concurrency=settings.dispatch_concurrency,
+        ),
+    )
+    sweeper = Sweeper(
+        db,
+        core,
+        dispatcher,
+        SweepSettings(
+            interval_s=settings.sweep_interval_s,
+            running_quiet_s=settings.running_quiet_s,
+            reservation_stale_s=settings.reservation_stale_s,
+        ),
+    )
+    listener = None
+    if settings.listen_enabled:
+        listener = Listener(
+            db,
+            dispatcher,
+            ListenerSettings(ping_interval_s=settings.listener_ping_s),
+            on_connected=sweeper.kick,
+        )
+    return Services(
+        settings=settings,
+        db=db,
+        core=core,
+        admitter=Admitter(
+            db, core, analysis_cost=settings.analysis_cost, recheck_cost=settings.recheck_cost
+        ),
+        dispatcher=dispatcher,
+        sweeper=sweeper,
+        listener=listener,
+        simulator=simulator,
+    )
+
+
+def _start_loops(services: Services, on_fatal: Callable[[str], None] | None) -> None:
+    loops: list[tuple[str, Callable[[], asyncio.Task[None] | None]]] = []
+    if services.listener is not None:
+        services.listener.start()
+        listener = services.listener
+        loops.append(("listener", lambda: listener.task))
+    services.sweeper.start()
+    loops.append(("sweeper", lambda: services.sweeper.task))
+    if services.settings.sweep_interval_s <= 0 and services.listener is None:
+        log.warning("both LISTEN and the sweep are off: queued jobs wait for tail promotions")
+
+    for name, get_task in loops:
+        task = get_task()
+        if task is None:
+            continue
+
+        def died(t: asyncio.Task[None], name: str = name) -> None:
+            if services.stopping or t.cancelled():
+                return
+            exc = t.exception()
+            log.critical(
+                "background loop died", extra={"action": "fatal", "loop": name}, exc_info=exc
+            )
+            if on_fatal is not None:
+                on_fatal(name)
+
+        task.add_done_callback(died)

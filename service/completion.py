@@ -1,0 +1,56 @@
+"""Completion: apply what Core says about a run (callback or the sweep's poll) to its job.
+
+Idempotent by construction: the move to a terminal status is a compare-and-set from
+``pending``/``running`` under the user lock, so a duplicate, late or out-of-order report changes
+nothing twice. ``pending`` is accepted because Core's callback can arrive before the releasing
+instance has written ``running``. The user's next job is promoted in the same transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .core_client import CoreRun
+from .db import Database
+from .dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+_STATUS_OF_STATE = {"completed": "succeeded", "failed": "failed", "cancelled": "cancelled"}
+
+
+async def apply_core_run(db: Database, dispatcher: Dispatcher, run: CoreRun) -> str:
+    """Returns ``applied``, ``duplicate``, ``not_finished`` or ``unknown_run``."""
+    status = _STATUS_OF_STATE.get(run.state)
+    if status is None:
+        return "not_finished"
+    error_code = None
+    if status == "failed":
+        error_code = "analysis_failed"
+    elif status == "cancelled":
+        error_code = "cancelled_in_core"
+    result = await db.finish(
+        core_run_id=run.id,
+        status=status,
+        from_statuses=("pending", "running"),
+        error_code=error_code,
+        error_detail=run.error,
+        verdicts=run.verdicts if status == "succeeded" else None,
+        ran=status != "cancelled",
+    )
+    if result is None:
+        log.warning("core event for unknown run", extra={"action": "complete", "run_id": run.id})
+        return "unknown_run"
+    if result.promoted is not None:
+        dispatcher.submit(result.promoted.id)
+    log.info(
+        "run finished" if result.changed else "duplicate core event",
+        extra={
+            "action": "complete",
+            "job_id": str(result.job.id),
+            "user_id": result.job.user_id,
+            "status": result.job.status,
+            "promoted_job_id": str(result.promoted.id) if result.promoted else None,
+        },
+    )
+    return "applied" if result.changed else "duplicate"

@@ -1,0 +1,272 @@
+"""Talk to Core, the upstream analysis engine, over HTTP, and sign/verify its callbacks."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import orjson
+
+from service.errors import (
+    CoreRunGone,
+    CoreUnavailable,
+    InvalidSource,
+    ProviderBudgetExhausted,
+    UnparseableThesis,
+)
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_PREFIX = "sha256="
+CALLBACK_WINDOW_S = 300.0
+CORE_TIMEOUT_S = 10.0
+CORE_CONNECTIONS_MAX = 100
+# Core's refusal details reach end users; a misbehaving Core must not flood them.
+REFUSAL_DETAIL_MAX_CHARS = 500
+FINISHED_STATES = frozenset({"completed", "failed", "cancelled"})
+# Transient by definition, so they must never be read as "the run is gone".
+TRANSIENT_4XX = frozenset({408, 429})
+
+
+def sign_callback(secret: str, timestamp: int, body: bytes) -> str:
+    """Return the ``X-Core-Signature`` value of ``body`` sent at ``timestamp``."""
+    message = str(timestamp).encode("ascii") + b"." + body
+    digest = hmac.new(secret.encode("utf-8"), message, hashlib.sha256).hexdigest()
+    return SIGNATURE_PREFIX + digest
+
+
+def verify_callback(
+    secret: str,
+    timestamp_header: str | None,
+    signature_header: str | None,
+    body: bytes,
+    *,
+    now: float,
+    window_s: float = CALLBACK_WINDOW_S,
+) -> bool:
+    """True only for a well-formed, fresh callback signed with ``secret``."""
+    # An empty secret would let anyone forge callbacks, so it verifies nothing.
+    if not secret or timestamp_header is None or signature_header is None:
+        return False
+    # int() alone would also accept " 12", "+12" and "1_2"; Core only ever sends digits.
+    if not (timestamp_header.isascii() and timestamp_header.isdigit()):
+        return False
+    timestamp = int(timestamp_header)
+    if abs(now - timestamp) > window_s:
+        return False
+    if not signature_header.startswith(SIGNATURE_PREFIX):
+        return False
+    expected = sign_callback(secret, timestamp, body)
+    return hmac.compare_digest(expected.encode("utf-8"), signature_header.encode("utf-8"))
+
+
+def _parse_verdicts(raw: Any) -> list[dict[str, str]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError("verdicts is not a list")
+    verdicts: list[dict[str, str]] = []
+    for item in raw:
+        if not isinstance(item, dict):
+            raise ValueError("verdict is not an object")
+        source, verdict = item.get("source"), item.get("verdict")
+        if not isinstance(source, str) or not isinstance(verdict, str):
+            raise ValueError("verdict lacks source or verdict")
+        verdicts.append({"source": source, "verdict": verdict})
+    return verdicts
+
+
+@dataclass(frozen=True)
+class CoreRun:
+    """One run as Core reports it."""
+
+    id: str
+    state: str
+    verdicts: list[dict[str, str]]
+    error: str | None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> CoreRun:
+        """Build from a Core response or callback body; ``ValueError`` if malformed."""
+        if not isinstance(d, Mapping):
+            raise ValueError("run is not an object")
+        run_id, state, error = d.get("id"), d.get("state"), d.get("error")
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError("run id missing")
+        if not isinstance(state, str) or not state:
+            raise ValueError("run state missing")
+        if error is not None and not isinstance(error, str):
+            raise ValueError("run error is not a string")
+        # The create response carries only id and state; the rest default to "nothing yet".
+        return cls(id=run_id, state=state, verdicts=_parse_verdicts(d.get("verdicts")), error=error)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED_STATES
+
+
+def _code_of(payload: Any) -> str | None:
+    code = payload.get("code") if isinstance(payload, dict) else None
+    return code if isinstance(code, str) else None
+
+
+def _detail_of(payload: Any) -> str | None:
+    detail = payload.get("detail") if isinstance(payload, dict) else None
+    if not isinstance(detail, str) or not detail:
+        return None
+    return detail[:REFUSAL_DETAIL_MAX_CHARS]
+
+
+class CoreClient:
+    """One pooled HTTP session to Core. No retries here: callers own the retry policy."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = CORE_TIMEOUT_S) -> None:
+        self._base_url = base_url.rstrip("/")
+        self._timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    async def start(self) -> None:
+        if self._session is not None:
+            return
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=CORE_CONNECTIONS_MAX),
+            timeout=aiohttp.ClientTimeout(total=self._timeout_s),
+        )
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def _request(
+        self, action: str, method: str, path: str, body: Mapping[str, Any] | None = None
+    ) -> tuple[int, Any]:
+        """Send one request; return (status, parsed JSON or None). 5xx and I/O raise."""
+        if self._session is None:
+            raise RuntimeError("CoreClient.start() must be awaited before use")
+        data = orjson.dumps(body) if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else None
+        try:
+            async with self._session.request(
+                method, self._base_url + path, data=data, headers=headers
+            ) as response:
+                status = response.status
+                raw = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning(
+                "core unreachable",
+                extra={"action": action, "path": path, "error_type": type(exc).__name__},
+            )
+            reason = "timed out" if isinstance(exc, TimeoutError) else "connection failed"
+            raise CoreUnavailable(f"Core {reason}.") from exc
+        if status >= 500:
+            log.warning(
+                "core server error", extra={"action": action, "path": path, "status": status}
+            )
+            raise CoreUnavailable(f"Core answered {status}.")
+        try:
+            payload: Any = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            payload = None
+        return status, payload
+
+    def _parse_run(self, action: str, status: int, payload: Any) -> CoreRun:
+        try:
+            return CoreRun.from_json(payload)
+        except ValueError as exc:
+            log.warning(
+                "core response unparseable",
+                extra={"action": action, "status": status, "reason": str(exc)},
+            )
+            raise CoreUnavailable("Core sent an unparseable response.") from exc
+
+    async def create_held(
+        self, run_id: str, user_id: str, thesis: dict[str, str], sources: list[str]
+    ) -> CoreRun:
+        """Create the run held (not judging yet). Idempotent on ``run_id``."""
+        action = "core_create"
+        body = {
+            "run_id": run_id,
+            "user_id": user_id,
+            "thesis": {"title": thesis.get("title"), "document_url": thesis.get("document_url")},
+            "sources": sources,
+            "hold": True,
+        }
+        status, payload = await self._request(action, "POST", "/v1/runs", body)
+        if 200 <= status < 300:
+            return self._parse_run(action, status, payload)
+        code = _code_of(payload)
+        if status == 429:
+            raise ProviderBudgetExhausted()
+        if status == 422 and code == "invalid_source":
+            raise InvalidSource(_detail_of(payload))
+        if status == 422 and code == "unparseable_thesis":
+            raise UnparseableThesis(_detail_of(payload))
+        log.error(
+            "core create refused unexpectedly",
+            extra={"action": action, "run_id": run_id, "status": status, "code": code},
+        )
+        raise CoreUnavailable(f"Core answered {status} to create.")
+
+    async def release(self, core_run_id: str) -> None:
+        """Start judging a held run. Idempotent; ``CoreRunGone`` if Core no longer holds it."""
+        action = "core_release"
+        path = f"/v1/runs/{quote(core_run_id, safe='')}/release"
+        status, payload = await self._request(action, "POST", path)
+        if 200 <= status < 300:
+            return
+        extra = {"action": action, "core_run_id": core_run_id, "status": status}
+        if status in TRANSIENT_4XX:
+            log.warning("core release deferred", extra=extra)
+            raise CoreUnavailable(f"Core answered {status} to release.")
+        if status not in (404, 409):
+            log.error(
+                "core release refused unexpectedly", extra={**extra, "code": _code_of(payload)}
+            )
+        else:
+            log.info("core release refused", extra=extra)
+        raise CoreRunGone()
+
+    async def cancel(self, core_run_id: str) -> None:
+        """Cancel a run; a run Core does not know is as good as cancelled."""
+        action = "core_cancel"
+        path = f"/v1/runs/{quote(core_run_id, safe='')}/cancel"
+        status, payload = await self._request(action, "POST", path)
+        if 200 <= status < 300 or status == 404:
+            return
+        log.error(
+            "core cancel refused unexpectedly",
+            extra={
+                "action": action,
+                "core_run_id": core_run_id,
+                "status": status,
+                "code": _code_of(payload),
+            },
+        )
+        raise CoreUnavailable(f"Core answered {status} to cancel.")
+
+    async def get_run(self, core_run_id: str) -> CoreRun | None:
+        """Core's view of the run, or None if Core does not know it."""
+        action = "core_get_run"
+        status, payload = await self._request(
+            action, "GET", f"/v1/runs/{quote(core_run_id, safe='')}"
+        )
+        if status == 404:
+            return None
+        if 200 <= status < 300:
+            return self._parse_run(action, status, payload)
+        log.error(
+            "core get_run refused unexpectedly",
+            extra={"action": action, "core_run_id": core_run_id, "status": status},
+        )
+        raise CoreUnavailable(f"Core answered {status} to get_run.")

@@ -1,0 +1,470 @@
+"""The only module that talks to asyncpg.
+
+It owns the pool, the dedicated LISTEN connection, migrations and every query; it returns frozen
+dataclasses from ``models`` and turns driver errors into domain errors in one place
+(:func:`wrap_errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+import orjson
+
+from . import errors
+from .models import Finish, Job, Reservation, StaleReservation
+from .sqlfiles import migrations, queries
+
+log = logging.getLogger(__name__)
+
+JOBS_CHANNEL = "aq_jobs_v1"
+# A key of its own for the migration run (not the user-lock format, which only
+# aq_lock_user_v1 spells). Session-level, on a dedicated connection.
+_MIGRATION_LOCK_SQL = "SELECT pg_advisory_lock(hashtextextended('analysis_queue_migrations', 0))"
+_MIGRATION_UNLOCK_SQL = (
+    "SELECT pg_advisory_unlock(hashtextextended('analysis_queue_migrations', 0))"
+)
+LOCK_TIMEOUT_MS = 10_000
+
+# Errors that mean "the database is not there right now": a retry or a 503, never a 500.
+_UNAVAILABLE = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    asyncpg.LockNotAvailableError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.QueryCanceledError,
+)
+
+
+@contextlib.contextmanager
+def wrap_errors() -> Iterator[None]:
+    """Translate driver errors into the service's error hierarchy."""
+    try:
+        yield
+    except asyncpg.PostgresError as exc:
+        code = getattr(exc, "sqlstate", None)
+        if code == "AQ402":
+            raise errors.InsufficientCredits() from exc
+        if code == "AQ410":
+            raise errors.CoreUnavailable("The admission timed out; try again.") from exc
+        if isinstance(exc, _UNAVAILABLE):
+            raise errors.DatabaseUnavailable() from exc
+        raise
+    except _UNAVAILABLE as exc:
+        if isinstance(exc, asyncpg.InternalClientError):
+            # Seen after a backend is terminated mid-query, but also what a client-side bug
+            # looks like: keep the evidence.
+            log.warning("driver internal error", exc_info=exc)
+        raise errors.DatabaseUnavailable() from exc
+
+
+def _jsonb_encode(value: Any) -> bytes:
+    return b"\x01" + orjson.dumps(value)  # jsonb's binary format: version 1, then the text
+
+
+def _jsonb_decode(data: bytes) -> Any:
+    return orjson.loads(data[1:])
+
+
+async def _init_connection(conn: asyncpg.Connection[Any]) -> None:
+    # Binary codecs: composite results (a function returning an analysis_jobs row) can only
+    # be decoded when every field type has a binary codec.
+    await conn.set_type_codec(
+        "jsonb", encoder=_jsonb_encode, decoder=_jsonb_decode, schema="pg_catalog", format="binary"
+    )
+    await conn.set_type_codec(
+        "json", encoder=orjson.dumps, decoder=orjson.loads, schema="pg_catalog", format="binary"
+    )
+
+
+def _server_settings(application_name: str) -> dict[str, str]:
+    return {
+        "application_name": application_name[:63],
+        # Bounds every lock wait, the advisory user lock included (55P03 -> 503).
+        "lock_timeout": str(LOCK_TIMEOUT_MS),
+        "idle_in_transaction_session_timeout": "60000",
+    }
+
+
+def _job_or_none(row: Any) -> Job | None:
+    if row is None or row["id"] is None:
+        return None
+    return Job.from_row(row)
+
+
+class Database:
+    """A pool and the queue's queries. ``await Database.connect(dsn)``; ``await db.close()``."""
+
+    def __init__(self, pool: asyncpg.Pool[Any], dsn: str, application_name: str) -> None:
+        self.pool = pool
+        self.dsn = dsn
+        self.application_name = application_name
+        self._q = queries()
+
+    @classmethod
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 2,
+        max_size: int = 10,
+        application_name: str = "analysis-queue",
+    ) -> Database:
+        with wrap_errors():
+            pool = await asyncpg.create_pool(
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                init=_init_connection,
+                server_settings=_server_settings(application_name),
+                command_timeout=30,
+                max_inactive_connection_lifetime=300,
+            )
+        return cls(pool, dsn, application_name)
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.pool.close(), timeout=5)
+        except Exception:  # close() timed out: do not wait for stuck connections
+            self.pool.terminate()
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    async def _fetchrow(self, name: str, *args: Any) -> Any:
+        with wrap_errors():
+            return await self.pool.fetchrow(self._q[name], *args)
+
+    async def _fetch(self, name: str, *args: Any) -> list[Any]:
+        with wrap_errors():
+            return list(await self.pool.fetch(self._q[name], *args))
+
+    async def _execute(self, name: str, *args: Any) -> str:
+        with wrap_errors():
+            return await self.pool.execute(self._q[name], *args)
+
+    async def ping(self) -> None:
+        with wrap_errors():
+            await self.pool.fetchval("SELECT 1", timeout=2)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    async def reserve(
+        self,
+        *,
+        user_id: str,
+        run_id: UUID,
+        job_id: UUID,
+        cost: int,
+        thesis: dict[str, Any],
+        sources: list[str],
+        idempotency_key: str | None,
+        request_hash: str | None,
+    ) -> Reservation:
+        row = await self._fetchrow(
+            "reserve",
+            user_id,
+            run_id,
+            job_id,
+            cost,
+            thesis,
+            sources,
+            idempotency_key,
+            request_hash,
+        )
+        return Reservation(row["outcome"], row["job_id"], row["balance"])
+
+    async def admit(
+        self,
+        *,
+        job_id: UUID,
+        user_id: str,
+        run_id: UUID,
+        core_run_id: str,
+        thesis: dict[str, Any],
+        sources: list[str],
+        cost: int,
+        delta_of: UUID | None,
+        idempotency_key: str | None,
+        request_hash: str | None,
+    ) -> Job:
+        row = await self._fetchrow(
+            "admit",
+            job_id,
+            user_id,
+            run_id,
+            core_run_id,
+            thesis,
+            sources,
+            cost,
+            delta_of,
+            idempotency_key,
+            request_hash,
+        )
+        return Job.from_row(row)
+
+    async def release_reservation(self, run_id: UUID) -> None:
+        await self._execute("reservation_release", run_id)
+
+    async def set_reservation_core_run(self, run_id: UUID, core_run_id: str) -> None:
+        await self._execute("reservation_set_core_run", run_id, core_run_id)
+
+    async def orphan_reservation(self, run_id: UUID) -> None:
+        """Leave a reservation to the sweep and free its Idempotency-Key for a retry."""
+        await self._execute("reservation_orphan", run_id)
+
+    async def take_stale_reservations(self, age_s: float, limit: int) -> list[StaleReservation]:
+        rows = await self._fetch("reservation_take_stale", age_s, limit)
+        return [
+            StaleReservation(
+                r["run_id"], r["job_id"], r["user_id"], r["core_run_id"], r["thesis"], r["sources"]
+            )
+            for r in rows
+        ]
+
+    async def put_back_reservation(self, r: StaleReservation) -> None:
+        await self._execute(
+            "reservation_put_back",
+            r.run_id,
+            r.job_id,
+            r.user_id,
+            r.core_run_id,
+            r.thesis,
+            r.sources,
+        )
+
+    # -- promotion and completion ------------------------------------------------------------
+
+    async def promote_next(self, user_id: str) -> Job | None:
+        try:
+            return _job_or_none(await self._fetchrow("promote_next", user_id))
+        except asyncpg.UniqueViolationError:
+            # The one-active index refused a second active job: another writer won. Every
+            # writer takes the user lock, so this means a writer that does not (an old
+            # version, a manual fix); the index kept the invariant.
+            log.warning("promotion lost to the one-active index", extra={"user_id": user_id})
+            return None
+
+    async def finish(
+        self,
+        *,
+        job_id: UUID | None = None,
+        core_run_id: str | None = None,
+        user_id: str | None = None,
+        status: str | None,
+        from_statuses: Sequence[str] = (),
+        delete: bool = False,
+        error_code: str | None = None,
+        error_detail: str | None = None,
+        verdicts: list[dict[str, Any]] | None = None,
+        ran: bool = False,
+    ) -> Finish | None:
+        row = await self._fetchrow(
+            "finish",
+            job_id,
+            core_run_id,
+            user_id,
+            status,
+            list(from_statuses),
+            delete,
+            error_code,
+            error_detail,
+            verdicts,
+            ran,
+        )
+        job = _job_or_none(row["job"]) if row is not None else None
+        if row is None or job is None:
+            return None
+        return Finish(job, row["old_status"], row["changed"], _job_or_none(row["promoted"]))
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    async def claim(self, job_id: UUID, instance_id: str, lease_s: float) -> Job | None:
+        return _job_or_none(await self._fetchrow("job_claim", job_id, instance_id, lease_s))
+
+    async def mark_running(self, job_id: UUID, instance_id: str) -> Job | None:
+        return _job_or_none(await self._fetchrow("job_mark_running", job_id, instance_id))
+
+    async def schedule_release_retry(
+        self, job_id: UUID, instance_id: str, at: datetime, detail: str
+    ) -> None:
+        await self._execute("job_release_retry", job_id, instance_id, at, detail)
+
+    async def mark_polled(self, job_ids: Sequence[UUID]) -> None:
+        await self._execute("job_mark_polled", list(job_ids))
+
+    # -- sweep -------------------------------------------------------------------------------
+
+    async def users_to_promote(self, limit: int) -> list[str]:
+        return [r["user_id"] for r in await self._fetch("sweep_users_to_promote", limit)]
+
+    async def pending_due(self, limit: int) -> list[UUID]:
+        return [r["id"] for r in await self._fetch("sweep_pending_due", limit)]
+
+    async def running_quiet(self, quiet_s: float, limit: int) -> list[tuple[UUID, str]]:
+        rows = await self._fetch("sweep_running_quiet", quiet_s, limit)
+        return [(r["id"], r["core_run_id"]) for r in rows]
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def get_job(self, job_id: UUID, user_id: str) -> Job | None:
+        return _job_or_none(await self._fetchrow("job_get", job_id, user_id))
+
+    async def list_jobs(self, user_id: str, limit: int = 200) -> list[Job]:
+        return [Job.from_row(r) for r in await self._fetch("job_list", user_id, limit)]
+
+    async def job_for_recheck(self, job_id: UUID, user_id: str) -> dict[str, Any] | None:
+        row = await self._fetchrow("job_for_recheck", job_id, user_id)
+        return dict(row) if row is not None else None
+
+    # -- credits -----------------------------------------------------------------------------
+
+    async def grant_credits(self, user_id: str, amount: int, note: str | None = None) -> int:
+        row = await self._fetchrow("credit_grant", user_id, amount, note)
+        return int(row["balance"])
+
+    async def balance(self, user_id: str) -> int:
+        row = await self._fetchrow("credit_balance", user_id)
+        return int(row["balance"])
+
+    # -- schema ------------------------------------------------------------------------------
+
+    async def pending_migrations(self) -> list[int]:
+        """Migration versions this code has that the database has not applied."""
+        with wrap_errors():
+            applied = await _applied_versions(self.pool)
+        return [m.version for m in migrations() if m.version not in applied]
+
+
+async def _applied_versions(conn: asyncpg.Pool[Any] | asyncpg.Connection[Any]) -> set[int]:
+    exists = await conn.fetchval("SELECT to_regclass('aq_schema_migrations') IS NOT NULL")
+    if not exists:
+        return set()
+    return {r["version"] for r in await conn.fetch("SELECT version FROM aq_schema_migrations")}
+
+
+async def apply_migrations(dsn: str) -> list[int]:
+    """Apply the migrations this database lacks; returns the versions applied.
+
+    Safe when several instances start at once: the run holds a session advisory lock, so the
+    second instance waits, then finds everything applied and does nothing.
+    """
+    with wrap_errors():
+        conn = await asyncpg.connect(dsn, server_settings={"application_name": "aq-migrate"})
+    try:
+        with wrap_errors():
+            await conn.execute(_MIGRATION_LOCK_SQL)
+        try:
+            with wrap_errors():
+                await conn.execute(
+                    """CREATE TABLE IF NOT EXISTS aq_schema_migrations (
+                           version integer PRIMARY KEY,
+                           name text NOT NULL,
+                           applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"""
+                )
+                applied = await _applied_versions(conn)
+            done: list[int] = []
+            for migration in migrations():
+                if migration.version in applied:
+                    continue
+                with wrap_errors():
+                    async with conn.transaction():
+                        await conn.execute(migration.sql)
+                        await conn.execute(
+                            "INSERT INTO aq_schema_migrations (version, name) VALUES ($1, $2)",
+                            migration.version,
+                            migration.name,
+                        )
+                log.info(
+                    "migration applied",
+                    extra={"action": "migrate", "version": migration.version},
+                )
+                done.append(migration.version)
+            return done
+        finally:
+            with contextlib.suppress(Exception):
+                await conn.execute(_MIGRATION_UNLOCK_SQL)
+    finally:
+        await conn.close()
+
+
+NotifyCallback = Callable[[str], None]
+
+
+class ListenConnection:
+    """A dedicated connection LISTENing on the jobs channel.
+
+    Not from the pool: releasing a pooled connection runs ``UNLISTEN *``, and LISTEN must not
+    sit behind a transaction-pooling proxy. It never opens a transaction.
+    """
+
+    def __init__(self, conn: asyncpg.Connection[Any], lost: asyncio.Event) -> None:
+        self._conn = conn
+        self.lost = lost
+
+    @classmethod
+    async def open(
+        cls, dsn: str, on_payload: NotifyCallback, application_name: str
+    ) -> ListenConnection:
+        lost = asyncio.Event()
+
+        def _on_notify(_c: Any, _pid: int, _channel: str, payload: object) -> None:
+            on_payload(str(payload))
+
+        def _on_terminate(_c: Any) -> None:
+            lost.set()
+
+        with wrap_errors():
+            conn = await asyncpg.connect(
+                dsn,
+                timeout=5,
+                server_settings={"application_name": f"{application_name}-listen"[:63]},
+            )
+        try:
+            conn.add_termination_listener(_on_terminate)
+            with wrap_errors():
+                await conn.add_listener(JOBS_CHANNEL, _on_notify)
+        except BaseException:
+            conn.terminate()
+            raise
+        return cls(conn, lost)
+
+    async def ping(self, timeout_s: float) -> None:
+        """Raises DatabaseUnavailable when the connection is dead or half-open."""
+        if self._conn.is_closed():
+            raise errors.DatabaseUnavailable("listener connection closed")
+        with wrap_errors():
+            await self._conn.fetchval("SELECT 1", timeout=timeout_s)
+
+    def backend_pid(self) -> int:
+        return int(self._conn.get_server_pid())
+
+    async def close(self) -> None:
+        if self._conn.is_closed():
+            return
+        try:
+            await asyncio.wait_for(self._conn.close(), timeout=2)
+        except Exception:
+            self._conn.terminate()
+
+
+@contextlib.asynccontextmanager
+async def admin_connection(dsn: str) -> AsyncIterator[asyncpg.Connection[Any]]:
+    """A plain connection for tools and tests (template databases, fault injection)."""
+    with wrap_errors():
+        conn = await asyncpg.connect(dsn)
+    try:
+        yield conn
+    finally:
+        await conn.close()

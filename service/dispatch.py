@@ -1,0 +1,198 @@
+"""Dispatch: turn ``pending`` jobs into ``running`` ones by releasing their held runs in Core.
+
+A pending job is first *claimed* (a compare-and-set with a lease), so that of all the instances
+that hear about it exactly one releases it. A release that fails with Core unreachable or 5xx is
+retried on a capped full-jitter exponential schedule kept in the job row (attempts, next attempt
+time), so a redeploy continues it; at ``promoted_at + release_window_s`` the job fails with
+``release_timeout`` and is refunded. A 4xx at release (run gone) fails and refunds at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from uuid import UUID
+
+import tenacity
+
+from . import errors
+from .core_client import CoreClient
+from .db import Database
+from .models import Job
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    """How releases are claimed and retried."""
+
+    instance_id: str
+    claim_lease_s: float = 60.0  # a claim older than this is an instance that died mid-release
+    release_window_s: float = 1800.0  # give up this long after promotion
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    concurrency: int = 32  # releases in flight at once per instance
+
+
+def next_attempt_at(
+    now: datetime,
+    attempt: int,
+    deadline: datetime,
+    *,
+    base_s: float,
+    max_s: float,
+) -> datetime:
+    """When to try the release again after ``attempt`` failures: full jitter, AWS-style
+    (uniform(0, min(max, base * 2^attempt))), never past the window's deadline."""
+    wait = tenacity.wait_random_exponential(multiplier=base_s, max=max_s)
+    state = tenacity.RetryCallState(
+        retry_object=tenacity.AsyncRetrying(), fn=None, args=(), kwargs={}
+    )
+    state.attempt_number = max(1, attempt)
+    return min(now + timedelta(seconds=wait(state)), deadline)
+
+
+class Dispatcher:
+    """Releases pending jobs. ``submit(job_id)`` from anywhere; duplicates are folded."""
+
+    def __init__(self, db: Database, core: CoreClient, settings: DispatchSettings) -> None:
+        self.db = db
+        self.core = core
+        self.settings = settings
+        self._inflight: set[UUID] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._timers: dict[UUID, asyncio.TimerHandle] = {}
+        self._sem = asyncio.Semaphore(settings.concurrency)
+        self._stopping = False
+        self.released = 0  # counters for tests and metrics
+        self.gave_up = 0
+
+    def submit(self, job_id: UUID) -> None:
+        if self._stopping or job_id in self._inflight:
+            return
+        self._inflight.add(job_id)
+        task = asyncio.create_task(self._run(job_id), name=f"dispatch-{job_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, job_id: UUID) -> None:
+        try:
+            async with self._sem:
+                await self.dispatch_once(job_id)
+        except errors.DatabaseUnavailable:
+            log.warning("dispatch: database unavailable", extra={"job_id": str(job_id)})
+        except Exception:
+            log.exception("dispatch failed", extra={"action": "dispatch", "job_id": str(job_id)})
+        finally:
+            self._inflight.discard(job_id)
+
+    async def dispatch_once(self, job_id: UUID) -> str:
+        """One release attempt. Returns what happened (for tests and logs)."""
+        job = await self.db.claim(job_id, self.settings.instance_id, self.settings.claim_lease_s)
+        if job is None:
+            return "not_claimed"  # another instance has it, it moved on, or it is not due
+        assert job.core_run_id is not None and job.promoted_at is not None
+        deadline = job.promoted_at + timedelta(seconds=self.settings.release_window_s)
+        try:
+            await self.core.release(job.core_run_id)
+        except errors.CoreRunGone as exc:
+            await self._fail(job, "core_run_gone", exc.detail)
+            return "failed"
+        except errors.CoreUnavailable as exc:
+            now = datetime.now(UTC)
+            if now >= deadline:
+                await self._fail(job, "release_timeout", "Core did not accept the release in time.")
+                with contextlib.suppress(errors.AppError):
+                    await self.core.cancel(job.core_run_id)
+                self.gave_up += 1
+                return "gave_up"
+            at = next_attempt_at(
+                now,
+                job.release_attempts,
+                deadline,
+                base_s=self.settings.backoff_base_s,
+                max_s=self.settings.backoff_max_s,
+            )
+            await self.db.schedule_release_retry(job.id, self.settings.instance_id, at, exc.detail)
+            self._schedule(job.id, (at - now).total_seconds())
+            log.info(
+                "release retry scheduled",
+                extra={
+                    "action": "release_retry",
+                    "job_id": str(job.id),
+                    "user_id": job.user_id,
+                    "attempt": job.release_attempts,
+                    "next_attempt_at": at.isoformat(),
+                },
+            )
+            return "retry"
+        running = await self.db.mark_running(job.id, self.settings.instance_id)
+        self.released += 1
+        log.info(
+            "released",
+            extra={
+                "action": "release",
+                "job_id": str(job.id),
+                "user_id": job.user_id,
+                "running": running is not None,
+            },
+        )
+        return "released"
+
+    async def _fail(self, job: Job, code: str, detail: str) -> None:
+        result = await self.db.finish(
+            job_id=job.id,
+            status="failed",
+            from_statuses=("pending",),
+            error_code=code,
+            error_detail=detail,
+        )
+        log.warning(
+            "release failed",
+            extra={
+                "action": "release_fail",
+                "job_id": str(job.id),
+                "user_id": job.user_id,
+                "code": code,
+            },
+        )
+        if result is not None and result.promoted is not None:
+            self.submit(result.promoted.id)
+
+    def _schedule(self, job_id: UUID, delay_s: float) -> None:
+        if self._stopping:
+            return
+        old = self._timers.pop(job_id, None)
+        if old is not None:
+            old.cancel()
+
+        def fire() -> None:
+            self._timers.pop(job_id, None)
+            self.submit(job_id)
+
+        self._timers[job_id] = asyncio.get_running_loop().call_later(max(0.0, delay_s), fire)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop taking work, cancel timers, wait for in-flight releases within a bound.
+
+        A release cut short leaves its claim to expire; another instance's sweep retries it.
+        """
+        self._stopping = True
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        if self._tasks:
+            _done, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1)
+
+    async def drain(self) -> None:
+        """Wait until no release is in flight (tests)."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))

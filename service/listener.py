@@ -1,0 +1,214 @@
+"""The listener: one dedicated LISTEN connection per instance, turning NOTIFY into work.
+
+- A job that became ``pending`` is handed to the dispatcher (claim + release).
+- A first-pass job that left ``pending``/``running`` frees its user's slot: the user's next
+  queued job is promoted under the user lock, within milliseconds of the commit.
+NOTIFY is only a wake-up: every action re-reads the database under the lock. Notifications sent
+while the connection is down are lost for good, so each (re)connect LISTENs first and then asks
+the sweep for a catch-up pass. A ping every few seconds notices a half-open connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+import orjson
+
+from . import errors
+from .db import Database, ListenConnection
+from .dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+_FREEING_STATUSES = frozenset({"pending", "running"})
+
+
+@dataclass(frozen=True)
+class ListenerSettings:
+    """The LISTEN connection's health checks."""
+
+    ping_interval_s: float = 5.0  # how quickly a silently dead connection is noticed
+    ping_timeout_s: float = 3.0
+    reconnect_max_s: float = 10.0  # cap of the reconnect backoff
+    promote_concurrency: int = 8
+
+
+class Listener:
+    def __init__(
+        self,
+        db: Database,
+        dispatcher: Dispatcher,
+        settings: ListenerSettings,
+        *,
+        on_connected: Callable[[], None] | None = None,
+    ) -> None:
+        self.db = db
+        self.dispatcher = dispatcher
+        self.settings = settings
+        self.on_connected = on_connected  # the app points this at the sweep's kick()
+        self._conn: ListenConnection | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._promoting: set[str] = set()
+        self._again: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sem = asyncio.Semaphore(settings.promote_concurrency)
+        self.connected = asyncio.Event()
+        self.reconnects = 0
+        self.notifications = 0
+        self.promotions = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self._conn is not None and self.connected.is_set()
+
+    def backend_pid(self) -> int | None:
+        return self._conn.backend_pid() if self._conn is not None else None
+
+    # -- notifications ----------------------------------------------------------------------
+
+    def handle_payload(self, payload: str) -> None:
+        """Called by asyncpg for each notification; must not block."""
+        self.notifications += 1
+        try:
+            event: dict[str, Any] = orjson.loads(payload)
+            job_id = UUID(event["id"])
+            user_id = str(event["user_id"])
+        except (ValueError, KeyError, TypeError):
+            log.warning(
+                "unreadable notification", extra={"action": "notify", "payload": payload[:200]}
+            )
+            return
+        new, old = event.get("new"), event.get("old")
+        if new == "pending":
+            self.dispatcher.submit(job_id)
+        frees_slot = (
+            not event.get("delta")
+            and old in _FREEING_STATUSES
+            and (new not in _FREEING_STATUSES or event.get("deleted"))
+        )
+        if frees_slot:
+            self.promote_soon(user_id)
+
+    def promote_soon(self, user_id: str) -> None:
+        """Promote a user's next job; concurrent requests for one user fold into one re-run."""
+        if user_id in self._promoting:
+            self._again.add(user_id)
+            return
+        self._promoting.add(user_id)
+        task = asyncio.create_task(self._promote(user_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _promote(self, user_id: str) -> None:
+        try:
+            while True:
+                self._again.discard(user_id)
+                async with self._sem:
+                    job = await self.db.promote_next(user_id)
+                if job is not None:
+                    self.promotions += 1
+                    log.info(
+                        "promoted",
+                        extra={
+                            "action": "promote",
+                            "trigger": "notify",
+                            "job_id": str(job.id),
+                            "user_id": user_id,
+                        },
+                    )
+                    self.dispatcher.submit(job.id)
+                if user_id not in self._again:
+                    break
+        except errors.DatabaseUnavailable:
+            log.warning("promotion: database unavailable", extra={"user_id": user_id})
+        except Exception:
+            log.exception("promotion failed", extra={"action": "promote", "user_id": user_id})
+        finally:
+            self._promoting.discard(user_id)
+
+    # -- connection lifecycle ---------------------------------------------------------------
+
+    async def run_once(self) -> None:
+        """Connect, LISTEN, ask for a catch-up, then watch the connection until it dies."""
+        self._conn = await ListenConnection.open(
+            self.db.dsn, self.handle_payload, self.db.application_name
+        )
+        try:
+            self.connected.set()
+            log.info("listening", extra={"action": "listen", "backend_pid": self.backend_pid()})
+            if self.on_connected is not None:
+                self.on_connected()
+            while not self._stopping.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        self._wait_lost_or_stopping(), timeout=self.settings.ping_interval_s
+                    )
+                if self._stopping.is_set():
+                    return
+                await self._conn.ping(self.settings.ping_timeout_s)
+        finally:
+            self.connected.clear()
+            conn, self._conn = self._conn, None
+            await conn.close()
+
+    async def _wait_lost_or_stopping(self) -> None:
+        assert self._conn is not None
+        lost = asyncio.create_task(self._conn.lost.wait())
+        stopping = asyncio.create_task(self._stopping.wait())
+        try:
+            await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            stopping.cancel()
+        if self._conn.lost.is_set():
+            raise errors.DatabaseUnavailable("listener connection terminated")
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                await self.run_once()
+                failures = 0
+            except (errors.DatabaseUnavailable, OSError) as exc:
+                failures += 1
+                self.reconnects += 1
+                log.warning(
+                    "listener connection lost",
+                    extra={"action": "listen", "reason": str(exc), "attempt": failures},
+                )
+            except Exception:
+                failures += 1
+                self.reconnects += 1
+                log.exception("listener failed", extra={"action": "listen"})
+            if self._stopping.is_set():
+                break
+            # Full jitter, capped: a restarted database is not hammered by every instance.
+            delay = random.uniform(0, min(self.settings.reconnect_max_s, 0.1 * 2**failures))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=delay)
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._stopping.clear()
+            self._task = asyncio.create_task(self._run(), name="listener")
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._task, timeout=5)
+            self._task = None
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5)
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task

@@ -1,0 +1,123 @@
+"""The queue's values: the frozen ``Job`` the database layer returns, and its JSON shape."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+ACTIVE_STATUSES = frozenset({"pending", "running"})
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+OPEN_STATUSES = frozenset({"queued", "pending", "running"})
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: UUID
+    user_id: str
+    run_id: UUID
+    core_run_id: str | None
+    status: str
+    queue_seq: int
+    delta_of_job_id: UUID | None
+    deleted_at: datetime | None
+    thesis: dict[str, Any]
+    sources: list[str]
+    cost: int
+    created_at: datetime
+    promoted_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    release_attempts: int
+    next_release_at: datetime | None
+    error_code: str | None
+    error_detail: str | None
+    verdicts: list[dict[str, Any]] | None
+    queue_position: int | None = None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Job:
+        keys = row.keys()
+        return cls(
+            id=row["id"],
+            user_id=row["user_id"],
+            run_id=row["run_id"],
+            core_run_id=row["core_run_id"],
+            status=row["status"],
+            queue_seq=row["queue_seq"],
+            delta_of_job_id=row["delta_of_job_id"],
+            deleted_at=row["deleted_at"],
+            thesis=row["thesis"],
+            sources=row["sources"],
+            cost=row["cost"],
+            created_at=row["created_at"],
+            promoted_at=row["promoted_at"],
+            started_at=row["started_at"],
+            finished_at=row["finished_at"],
+            release_attempts=row["release_attempts"],
+            next_release_at=row["next_release_at"],
+            error_code=row["error_code"],
+            error_detail=row["error_detail"],
+            verdicts=row["verdicts"],
+            queue_position=row["queue_position"] if "queue_position" in keys else None,
+        )
+
+    @property
+    def is_first_pass(self) -> bool:
+        return self.delta_of_job_id is None
+
+    def to_json(self) -> dict[str, Any]:
+        """The job as the REST API and the event stream show it."""
+        error = None
+        if self.error_code is not None and self.status in TERMINAL_STATUSES | {"pending"}:
+            error = {"code": self.error_code, "detail": self.error_detail}
+        return {
+            "id": str(self.id),
+            "run_id": str(self.run_id),
+            "status": self.status,
+            "queue_position": self.queue_position if self.status == "queued" else None,
+            "delta_of": str(self.delta_of_job_id) if self.delta_of_job_id else None,
+            "thesis": self.thesis,
+            "sources": self.sources,
+            "created_at": _iso(self.created_at),
+            "promoted_at": _iso(self.promoted_at),
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(self.finished_at),
+            "error": error,
+            "verdicts": self.verdicts,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """The answer of ``reserve``: what to do with an admit before Core is called."""
+
+    outcome: str  # reserved | existing | in_progress | key_reused | insufficient_credits
+    job_id: UUID | None
+    balance: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The answer of ``finish``: the job after the call, and what the call changed."""
+
+    job: Job
+    old_status: str
+    changed: bool
+    promoted: Job | None
+
+
+@dataclass(frozen=True, slots=True)
+class StaleReservation:
+    run_id: UUID
+    job_id: UUID
+    user_id: str
+    core_run_id: str | None
+    thesis: dict[str, Any]
+    sources: list[str]

@@ -1,0 +1,33 @@
+"""Typed application state: the one ``web.AppKey`` every handler reads its services from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from .admit import Admitter
+from .config import Settings
+from .core_client import CoreClient
+from .core_sim import CoreSimulator
+from .db import Database
+from .dispatch import Dispatcher
+from .listener import Listener
+from .sweeper import Sweeper
+
+
+@dataclass
+class Services:
+    settings: Settings
+    db: Database
+    core: CoreClient
+    admitter: Admitter
+    dispatcher: Dispatcher
+    sweeper: Sweeper
+    listener: Listener | None
+    simulator: CoreSimulator | None = None
+    migrated: bool = False
+    stopping: bool = False
+
+
+SERVICES = web.AppKey("services", Services)

