@@ -76,6 +76,7 @@ async def run_demo(*, theses: int = 5, judge_time_s: float = 1.0) -> int:
 
 async def _watch(http: aiohttp.ClientSession, names: dict[str, str], say: Any) -> None:
     seen: dict[str, str] = {}
+    started_order: list[str] = []
     deadline = time.monotonic() + 60 + 10 * len(names)
     while time.monotonic() < deadline:
         async with http.get("/v1/analyses") as resp:
@@ -83,13 +84,19 @@ async def _watch(http: aiohttp.ClientSession, names: dict[str, str], say: Any) -
         for job in sorted(jobs, key=lambda j: j["created_at"]):
             if seen.get(job["id"]) != job["status"]:
                 seen[job["id"]] = job["status"]
+                if job["status"] == "running":
+                    started_order.append(job["id"])
                 extra = ""
                 if job["status"] == "succeeded":
                     extra = f" with {len(job['verdicts'] or [])} verdicts"
                 say(f"{names.get(job['id'], job['id'])}: {job['status']}{extra}")
         counts = {s: list(seen.values()).count(s) for s in set(seen.values())}
         if counts.get("succeeded", 0) + counts.get("failed", 0) == len(names):
-            say("all analyses finished, one at a time, in the order they were clicked.")
+            in_order = started_order == list(names)  # names is in click order
+            say(
+                "all analyses finished; they started "
+                + ("one at a time, in the order they were clicked." if in_order else "OUT OF ORDER")
+            )
             return
         await asyncio.sleep(POLL_S)
     say("timed out waiting for the analyses to finish")

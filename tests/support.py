@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -226,6 +227,6 @@ async def assert_fifo_serial(dsn: str) -> None:
     for row in rows:
         by_user.setdefault(row["user_id"], []).append(row)
     for user, jobs in by_user.items():
-        for prev, nxt in zip(jobs, jobs[1:], strict=False):
+        for prev, nxt in itertools.pairwise(jobs):
             assert prev["finished_at"] is not None, f"{user}: a later job started first"
             assert nxt["promoted_at"] >= prev["finished_at"], f"{user}: overlap or out of order"

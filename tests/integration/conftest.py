@@ -5,9 +5,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from support import CALLBACK_SECRET, Harness
 
 from service.core_sim import CoreSimulator
-from support import CALLBACK_SECRET, Harness
 
 
 @pytest.fixture

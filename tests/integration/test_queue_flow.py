@@ -26,7 +26,13 @@ async def test_five_clicks_admitted_at_once_then_run_in_order(harness: Harness) 
         status, job = await h.admit("lecturer", n)
         assert status == 201, job
         statuses.append((job["status"], job["queue_position"]))
-    assert statuses == [("pending", None), ("queued", 1), ("queued", 2), ("queued", 3), ("queued", 4)]
+    assert statuses == [
+        ("pending", None),
+        ("queued", 1),
+        ("queued", 2),
+        ("queued", 3),
+        ("queued", 4),
+    ]
 
     status, credits = await h.get("lecturer", "/v1/credits")
     assert (status, credits) == (200, {"balance": 0})
@@ -49,13 +55,13 @@ async def test_queue_positions_move_up_as_jobs_finish(harness: Harness) -> None:
     for n in range(3):
         _, job = await h.admit("u", n)
         ids.append(job["id"])
-    await wait_for(
-        lambda: _status_is(h, ids[0], "running"), what="first job running"
-    )
+    await wait_for(lambda: _status_is(h, ids[0], "running"), what="first job running")
     _, third = await h.get("u", f"/v1/analyses/{ids[2]}")
     assert third["queue_position"] == 2
 
-    run_id = await fetchval(h.database_url, "SELECT core_run_id FROM analysis_jobs WHERE id=$1::uuid", ids[0])
+    run_id = await fetchval(
+        h.database_url, "SELECT core_run_id FROM analysis_jobs WHERE id=$1::uuid", ids[0]
+    )
     async with h.http.post(f"{h.sim.base_url}/_sim/runs/{run_id}/finish", json={}) as r:
         assert r.status == 200
     await wait_for(lambda: _status_is(h, ids[1], "running"), what="second job running")
@@ -64,7 +70,9 @@ async def test_queue_positions_move_up_as_jobs_finish(harness: Harness) -> None:
 
 
 async def _status_is(h: Harness, job_id: str, status: str) -> bool:
-    value = await fetchval(h.database_url, "SELECT status FROM analysis_jobs WHERE id=$1::uuid", job_id)
+    value = await fetchval(
+        h.database_url, "SELECT status FROM analysis_jobs WHERE id=$1::uuid", job_id
+    )
     return bool(value == status)
 
 

@@ -1,0 +1,29 @@
+# syntax=docker/dockerfile:1
+# Build stage: build the wheel (which carries sql/ and triggers/) and install it into a venv.
+FROM python:3.11-slim AS build
+WORKDIR /src
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+COPY pyproject.toml README.md ./
+COPY service ./service
+COPY sql ./sql
+COPY triggers ./triggers
+RUN /opt/venv/bin/pip install --no-compile .
+
+# Runtime stage: the venv only, no build tools, a non-root user.
+FROM python:3.11-slim
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    AQ_HOST=0.0.0.0 \
+    AQ_PORT=8080 \
+    AQ_DATA_DIR=/var/lib/analysis-queue
+RUN groupadd --system --gid 10001 aq \
+    && useradd --system --uid 10001 --gid aq --home-dir /var/lib/analysis-queue --create-home aq
+COPY --from=build /opt/venv /opt/venv
+USER aq
+EXPOSE 8080
+HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import sys,urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2).status != 200)"]
+# Exec form: SIGTERM reaches the service, which drains and stops gracefully.
+ENTRYPOINT ["analysis-queue"]
+CMD ["serve"]
