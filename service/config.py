@@ -86,8 +86,11 @@ class Settings(BaseSettings):
         if changed:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(stored, indent=2))
-            tmp.chmod(0o600)
+            tmp.unlink(missing_ok=True)
+            # Created 0600: the secrets are never readable by others, not even briefly.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(stored, indent=2))
             tmp.replace(path)
         return self.model_copy(update={name: stored[name] for name in missing})
 

@@ -46,8 +46,9 @@ def next_attempt_at(
     base_s: float,
     max_s: float,
 ) -> datetime:
-    """When to try the release again after ``attempt`` failures: full jitter, AWS-style
-    (uniform(0, min(max, base * 2^attempt))), never past the window's deadline."""
+    """When to try the release again after ``attempt`` attempts: full jitter, AWS-style,
+    uniform(0, min(max_s, base_s * 2^(attempt-1))) (tenacity's ``wait_random_exponential``),
+    never past the window's deadline."""
     wait = tenacity.wait_random_exponential(multiplier=base_s, max=max_s)
     state = tenacity.RetryCallState(
         retry_object=tenacity.AsyncRetrying(), fn=None, args=(), kwargs={}

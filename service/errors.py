@@ -51,6 +51,11 @@ class InvalidSignature(AppError):
 
     code = "invalid_signature"
     status = 401
+    headers: ClassVar[dict[str, str]] = {
+        "WWW-Authenticate": (
+            'HMAC-SHA256 realm="core-events", headers="X-Core-Timestamp X-Core-Signature"'
+        )
+    }
 
 
 class Forbidden(AppError):

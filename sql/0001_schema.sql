@@ -6,7 +6,8 @@
 --   * a balance never goes negative: credit_accounts_balance_nonnegative
 
 -- FIFO order is drawn from this sequence by the admitting INSERT, i.e. after the user lock was
--- granted. created_at (the transaction's start) can disagree with the order the lock admitted.
+-- granted. now() (the transaction's start, taken before the lock wait) can disagree with the
+-- order the lock admitted; created_at defaults to clock_timestamp() for the same reason.
 CREATE SEQUENCE analysis_jobs_queue_seq;
 
 CREATE TABLE analysis_jobs (

@@ -1,4 +1,4 @@
--- The queue's named queries, loaded once into a dict by service/queries.py.
+-- The queue's named queries, loaded once into a dict by service/sqlfiles.py.
 -- Each block: a "-- name --" line, a line saying what it does and its parameters, then the SQL.
 -- The decisions that need the user lock are SQL functions (0002_queue_functions.sql); these
 -- queries call them or do what needs no lock.

@@ -71,12 +71,14 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def _ready(http: aiohttp.ClientSession, base: str, proc: Proc, timeout_s: float = 60) -> None:
+async def _ready(
+    http: aiohttp.ClientSession, base: str, proc: Proc, timeout_s: float = 60, path: str = "/readyz"
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.popen.poll() is None, f"{proc.name} exited:\n{proc.tail()}"
         try:
-            async with http.get(f"{base}/readyz") as r:
+            async with http.get(f"{base}{path}") as r:
                 if r.status == 200:
                     return
         except aiohttp.ClientError:
@@ -158,6 +160,7 @@ async def test_two_processes_share_one_database(
         proc = Proc(f"serve-{i}", _cli("serve"), env, tmp_path)
         procs.append(proc)
         instances.append((proc, f"http://127.0.0.1:{port}"))
+    await _ready(http, f"http://127.0.0.1:{sim_port}", sim, path="/_sim/runs")
     for proc, base in instances:
         await _ready(http, base, proc)
 
