@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run demo test test-fast lint format typecheck check clean
+.PHONY: install run demo test test-fast lint format typecheck check clean bench
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,3 +40,6 @@ check: lint typecheck test
 
 clean:
 	rm -rf $(VENV) dist build .mypy_cache .ruff_cache .pytest_cache
+
+bench: install  ## benchmarks (not tests): writes bench/results.json
+	$(BIN)/python bench/run.py

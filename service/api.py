@@ -154,10 +154,7 @@ async def create_analysis(request: web.Request) -> web.Response:
     headers = {"Location": f"/v1/analyses/{admitted.job.id}"}
     if not admitted.created:
         headers["Idempotent-Replayed"] = "true"
-    job = admitted.job
-    if job.status == "queued" and admitted.created:
-        job = await services.db.get_job(job.id, user_id) or job  # fill in queue_position
-    return json_response(job.to_json(), status=201, headers=headers)
+    return json_response(admitted.job.to_json(), status=201, headers=headers)
 
 
 @routes.get("/v1/analyses")

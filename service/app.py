@@ -150,6 +150,8 @@ def _start_loops(services: Services, on_fatal: Callable[[str], None] | None) -> 
         listener = services.listener
         loops.append(("listener", lambda: listener.task))
     services.sweeper.start()
+    if services.listener is None:
+        services.sweeper.kick()  # the catch-up pass the listener would have asked for
     loops.append(("sweeper", lambda: services.sweeper.task))
     if services.settings.sweep_interval_s <= 0 and services.listener is None:
         log.warning("both LISTEN and the sweep are off: queued jobs wait for tail promotions")

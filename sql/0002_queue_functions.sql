@@ -103,15 +103,13 @@ $$;
 
 -- Admit: under the user lock, debit and insert the job whose status is the write-up's CASE.
 -- Raises AQ402 (insufficient credits) or AQ410 (the reservation was reclaimed by the sweep);
--- either rolls the whole admit back.
+-- either rolls the whole admit back. Returns the job and, when queued, its position.
 CREATE FUNCTION aq_admit_v1(
     p_job_id uuid, p_user_id text, p_run_id uuid, p_core_run_id text,
     p_thesis jsonb, p_sources jsonb, p_cost integer, p_delta_of uuid,
-    p_idempotency_key text, p_request_hash text)
-RETURNS analysis_jobs
+    p_idempotency_key text, p_request_hash text,
+    OUT job analysis_jobs, OUT queue_position bigint)
 LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_job analysis_jobs;
 BEGIN
     PERFORM aq_lock_user_v1(p_user_id);
 
@@ -142,13 +140,18 @@ BEGIN
                           AND b.deleted_at IS NULL
                           AND b.status IN ('queued', 'pending', 'running'))
                    THEN 'queued' ELSE 'pending' END AS status) d
-    RETURNING * INTO v_job;
+    RETURNING * INTO job;
 
     IF p_cost > 0 THEN
         INSERT INTO credit_ledger (user_id, job_id, kind, amount)
         VALUES (p_user_id, p_job_id, 'debit', p_cost);
     END IF;
-    RETURN v_job;
+    -- Counted here, in a statement of its own under the lock, so the answer to the click
+    -- carries its true position without another round trip.
+    IF job.status = 'queued' THEN
+        SELECT count(*) INTO queue_position FROM analysis_jobs q
+         WHERE q.user_id = p_user_id AND q.status = 'queued' AND q.queue_seq <= job.queue_seq;
+    END IF;
 END
 $$;
 

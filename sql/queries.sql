@@ -6,8 +6,8 @@
 -- admit --
 -- Admit a reserved run as a job: $1 job id, $2 user, $3 run id, $4 Core run id, $5 thesis,
 -- $6 sources, $7 cost, $8 delta_of job id, $9 idempotency key, $10 request hash.
-SELECT j.*, NULL::bigint AS queue_position
-  FROM aq_admit_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) j;
+SELECT (r.job).*, r.queue_position
+  FROM aq_admit_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) r;
 
 -- reserve --
 -- Reserve a run id and check credit: $1 user, $2 run id, $3 job id, $4 cost, $5 thesis,

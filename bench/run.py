@@ -1,0 +1,650 @@
+"""Benchmarks: how close the queue comes to what PostgreSQL on this machine can do.
+
+    make bench            (or: .venv/bin/python bench/run.py [--quick] [--only admit,drain,...])
+
+Starts what it needs: PostgreSQL (AQ_BENCH_DATABASE_URL / AQ_TEST_DATABASE_URL server, else the
+embedded one), the service and the Core simulator as real processes (zero judging time), and a
+fresh database per scenario. Prints a table and writes bench/results.json. Times are reported as
+ratios measured in the same run: the machine is shared and noisy. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import asyncpg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from service.auth import mint_token  # noqa: E402
+from service.core_client import CoreClient  # noqa: E402
+from service.db import Database, apply_migrations  # noqa: E402
+from service.dispatch import Dispatcher, DispatchSettings  # noqa: E402
+from service.sweeper import Sweeper, SweepSettings  # noqa: E402
+
+SECRETS = {
+    "AQ_JWT_SECRET": "bench-jwt-secret-0123456789abcdef0123",
+    "AQ_ADMIN_TOKEN": "bench-admin",
+    "AQ_CORE_CALLBACK_SECRET": "bench-callback",
+}
+CONCURRENCY = 64
+
+
+# -- infrastructure -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def with_db(dsn: str, name: str) -> str:
+    return urlunsplit(urlsplit(dsn)._replace(path="/" + name))
+
+
+def server_dsn(tmp: Path) -> str:
+    dsn = os.environ.get("AQ_BENCH_DATABASE_URL") or os.environ.get("AQ_TEST_DATABASE_URL")
+    if dsn:
+        return dsn
+    from service.embedded import start_embedded
+
+    return start_embedded(tmp / "pg", keep=False)
+
+
+@asynccontextmanager
+async def fresh_database(server: str) -> AsyncIterator[str]:
+    name = f"aq_bench_{uuid.uuid4().hex[:8]}"
+    conn = await asyncpg.connect(server)
+    await conn.execute(f"CREATE DATABASE {name}")
+    await conn.close()
+    dsn = with_db(server, name)
+    await apply_migrations(dsn)
+    try:
+        yield dsn
+    finally:
+        conn = await asyncpg.connect(server)
+        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await conn.close()
+
+
+class Proc:
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._f = log.open("wb")
+        self.p = subprocess.Popen(args, env=env, stdout=self._f, stderr=subprocess.STDOUT)
+
+    def peak_rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(20)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self._f.close()
+
+
+def _env(**values: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AQ_")}
+    env.update(SECRETS)
+    env.update(values)
+    return env
+
+
+@asynccontextmanager
+async def running_stack(
+    dsn: str, tmp: Path, http: aiohttp.ClientSession, **service_env: str
+) -> AsyncIterator[tuple[str, str, Proc]]:
+    """A Core simulator process and one service process on ``dsn``."""
+    port, sim_port = free_port(), free_port()
+    cli = [sys.executable, "-m", "service.cli"]
+    sim = Proc(
+        [
+            *cli,
+            "core-sim",
+            "--port",
+            str(sim_port),
+            "--judge-time",
+            service_env.pop("JUDGE", "0"),
+            "--callback-url",
+            f"http://127.0.0.1:{port}/v1/core/events",
+        ],
+        _env(AQ_LOG_LEVEL="WARNING"),
+        tmp / f"sim-{sim_port}.log",
+    )
+    env = _env(
+        AQ_DATABASE_URL=dsn,
+        AQ_CORE_URL=f"http://127.0.0.1:{sim_port}",
+        AQ_PORT=str(port),
+        AQ_DATA_DIR=str(tmp),
+        AQ_LOG_LEVEL="WARNING",
+        AQ_POOL_MAX_SIZE="20",
+        **{f"AQ_{k}": v for k, v in service_env.items()},
+    )
+    svc = Proc([*cli, "serve"], env, tmp / f"svc-{port}.log")
+    base, sim_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sim_port}"
+    try:
+        await _wait_http(http, f"{sim_base}/_sim/runs")
+        await _wait_http(http, f"{base}/readyz")
+        yield base, sim_base, svc
+    finally:
+        svc.stop()
+        sim.stop()
+
+
+async def _wait_http(http: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            async with http.get(url) as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} never became ready")
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+async def grant_all(dsn: str, users: list[str], amount: int) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.executemany(
+            "SELECT aq_credit_grant_v1($1, $2, 'bench')", [(u, amount) for u in users]
+        )
+    finally:
+        await conn.close()
+
+
+async def closed_loop(
+    duration_s: float, concurrency: int, op: Callable[[int], Awaitable[None]]
+) -> tuple[int, list[float], float]:
+    """``concurrency`` workers call ``op`` back to back for ``duration_s``."""
+    latencies: list[float] = []
+    stop_at = time.perf_counter() + duration_s
+    started = time.perf_counter()
+
+    async def worker(w: int) -> None:
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            await op(w)
+            latencies.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return len(latencies), latencies, time.perf_counter() - started
+
+
+# -- 1. admit ceiling ---------------------------------------------------------------------------
+
+RAW_ADMIT = [
+    "SELECT pg_advisory_xact_lock(hashtextextended('analysis_queue:' || $1, 0))",
+    """UPDATE credit_accounts SET balance = balance - 1 WHERE user_id = $1 AND balance >= 1""",
+    """INSERT INTO analysis_jobs (id, user_id, run_id, core_run_id, status, thesis, sources, cost)
+       SELECT $2, $1, $3, $4, CASE WHEN EXISTS (
+                  SELECT 1 FROM analysis_jobs b WHERE b.user_id = $1 AND b.delta_of_job_id IS NULL
+                     AND b.deleted_at IS NULL AND b.status IN ('queued', 'pending', 'running'))
+              THEN 'queued' ELSE 'pending' END,
+              $5::jsonb, $6::jsonb, 1""",
+    "INSERT INTO credit_ledger (user_id, job_id, kind, amount) VALUES ($1, $2, 'debit', 1)",
+]
+
+
+def _body(n: int) -> dict[str, Any]:
+    return {
+        "thesis": {"title": f"Thesis {n}", "document_url": f"https://uni.example/t/{n}.pdf"},
+        "sources": [f"10.1000/b{n}.{k}" for k in range(3)],
+    }
+
+
+async def raw_ceiling(dsn: str, users: list[str], duration_s: float) -> dict[str, Any]:
+    pool = await asyncpg.create_pool(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY)
+    thesis = json.dumps(_body(0)["thesis"])
+    sources = json.dumps(_body(0)["sources"])
+
+    async def op(_w: int) -> None:
+        user = random.choice(users)
+        job = uuid.uuid4()
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute(RAW_ADMIT[0], user)
+            await conn.execute(RAW_ADMIT[1], user)
+            await conn.execute(RAW_ADMIT[2], user, job, uuid.uuid4(), f"raw-{job}", thesis, sources)
+            await conn.execute(RAW_ADMIT[3], user, job)
+
+    n, lat, wall = await closed_loop(duration_s, CONCURRENCY, op)
+    await pool.close()
+    return {"rate": n / wall, "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "n": n}
+
+
+async def http_admits(
+    base: str, http: aiohttp.ClientSession, users: list[str], duration_s: float
+) -> dict[str, Any]:
+    tokens = {
+        u: {"Authorization": f"Bearer {mint_token(u, SECRETS['AQ_JWT_SECRET'])}"} for u in users
+    }
+    errors = 0
+
+    async def op(w: int) -> None:
+        nonlocal errors
+        user = random.choice(users)
+        async with http.post(f"{base}/v1/analyses", json=_body(w), headers=tokens[user]) as r:
+            await r.read()
+            if r.status != 201:
+                errors += 1
+
+    n, lat, wall = await closed_loop(duration_s, CONCURRENCY, op)
+    return {
+        "rate": n / wall,
+        "p50_ms": pct(lat, 50) * 1e3,
+        "p99_ms": pct(lat, 99) * 1e3,
+        "n": n,
+        "errors": errors,
+    }
+
+
+async def bench_admit(
+    server: str, tmp: Path, http: aiohttp.ClientSession, duration_s: float
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, users in (("1000_users", [f"u{i}" for i in range(1000)]), ("one_user", ["solo"])):
+        async with fresh_database(server) as dsn:
+            await grant_all(dsn, users, 10**9)
+            raw = await raw_ceiling(dsn, users, duration_s)
+        async with fresh_database(server) as dsn:
+            await grant_all(dsn, users, 10**9)
+            async with running_stack(dsn, tmp, http) as (base, _sim, svc):
+                svc_result = await http_admits(base, http, users, duration_s)
+                svc_result["peak_rss_mb"] = svc.peak_rss_mb()
+        out[label] = {
+            "service": svc_result,
+            "raw_sql": raw,
+            "ratio": svc_result["rate"] / raw["rate"],
+        }
+    return out
+
+
+# -- 2. promotion latency -----------------------------------------------------------------------
+
+
+async def _promotion_gaps(dsn: str) -> list[float]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            """SELECT extract(epoch FROM nxt.started_at - prev.finished_at) AS gap
+                 FROM analysis_jobs prev
+                 JOIN LATERAL (SELECT * FROM analysis_jobs n
+                                WHERE n.user_id = prev.user_id AND n.queue_seq > prev.queue_seq
+                                ORDER BY n.queue_seq LIMIT 1) nxt ON true
+                WHERE prev.finished_at IS NOT NULL AND nxt.started_at IS NOT NULL"""
+        )
+        return [float(r["gap"]) for r in rows]
+    finally:
+        await conn.close()
+
+
+async def _admit_chain(
+    base: str, http: aiohttp.ClientSession, users: list[str], per_user: int
+) -> None:
+    for u in users:
+        auth = {"Authorization": f"Bearer {mint_token(u, SECRETS['AQ_JWT_SECRET'])}"}
+        for n in range(per_user):
+            async with http.post(f"{base}/v1/analyses", json=_body(n), headers=auth) as r:
+                assert r.status == 201, await r.text()
+
+
+async def _wait_all_terminal(dsn: str, total: int, timeout_s: float) -> float:
+    conn = await asyncpg.connect(dsn)
+    started = time.perf_counter()
+    try:
+        while time.perf_counter() - started < timeout_s:
+            done = await conn.fetchval(
+                "SELECT count(*) FROM analysis_jobs WHERE status IN ('succeeded','failed','cancelled')"
+            )
+            if done >= total:
+                return time.perf_counter() - started
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"only {done}/{total} finished in {timeout_s}s")
+    finally:
+        await conn.close()
+
+
+async def promotion_by_callback(
+    server: str, tmp: Path, http: aiohttp.ClientSession, promotions: int
+) -> dict[str, Any]:
+    """The production path: Core's callback finishes a job, whose transaction promotes the next."""
+    users = [f"p{i}" for i in range(10)]
+    per_user = promotions // len(users) + 1
+    async with fresh_database(server) as dsn:
+        await grant_all(dsn, users, 10**6)
+        async with running_stack(dsn, tmp, http, JUDGE="0.3") as (base, _sim, _svc):
+            await _admit_chain(base, http, users, per_user)
+            async with http.post(f"{_sim}/_sim/faults", json={"judge_time_s": 0.002}) as r:
+                assert r.status == 200
+            await _wait_all_terminal(dsn, len(users) * per_user, 120)
+        return _latency_summary(await _promotion_gaps(dsn))
+
+
+async def promotion_external(
+    server: str, tmp: Path, http: aiohttp.ClientSession, promotions: int, *, listen: bool
+) -> dict[str, Any]:
+    """A completion committed by someone else (no tail call): NOTIFY, or only the sweep."""
+    users = [f"x{i}" for i in range(10)]
+    per_user = promotions // len(users) + 1
+    env = {"JUDGE": "3600"}
+    if not listen:
+        env.update(LISTEN_ENABLED="false", SWEEP_INTERVAL_S="0.25")
+    async with fresh_database(server) as dsn:
+        await grant_all(dsn, users, 10**6)
+        async with running_stack(dsn, tmp, http, **env) as (base, _sim, _svc):
+            await _admit_chain(base, http, users, per_user)
+            conn = await asyncpg.connect(dsn)
+            running: dict[str, asyncio.Event] = {u: asyncio.Event() for u in users}
+
+            def on_notify(_c: Any, _p: int, _ch: str, payload: str) -> None:
+                event = json.loads(payload)
+                if event["new"] == "running":
+                    running[event["user_id"]].set()
+
+            await conn.add_listener("aq_jobs_v1", on_notify)
+            finisher = await asyncpg.connect(dsn)
+            lock = asyncio.Lock()
+
+            async def chain(user: str) -> None:
+                for _ in range(per_user - 1):
+                    while not await finisher_running(user):
+                        running[user].clear()
+                        await asyncio.wait_for(running[user].wait(), 30)
+                    running[user].clear()
+                    async with lock:
+                        await finisher.execute(
+                            """UPDATE analysis_jobs SET status = 'succeeded',
+                                      finished_at = clock_timestamp()
+                                WHERE user_id = $1 AND status = 'running'""",
+                            user,
+                        )
+
+            async def finisher_running(user: str) -> bool:
+                async with lock:
+                    return bool(
+                        await finisher.fetchval(
+                            "SELECT count(*) FROM analysis_jobs WHERE user_id=$1 AND status='running'",
+                            user,
+                        )
+                    )
+
+            await asyncio.gather(*(chain(u) for u in users))
+            await conn.close()
+            await finisher.close()
+        return _latency_summary(await _promotion_gaps(dsn))
+
+
+def _latency_summary(gaps: list[float]) -> dict[str, Any]:
+    ms = [g * 1e3 for g in gaps]
+    return {
+        "n": len(ms),
+        "p50_ms": pct(ms, 50),
+        "p99_ms": pct(ms, 99),
+        "max_ms": max(ms) if ms else float("nan"),
+    }
+
+
+# -- 3. drain -----------------------------------------------------------------------------------
+
+
+async def bench_drain(
+    server: str, tmp: Path, http: aiohttp.ClientSession, users_n: int, per_user: int
+) -> dict[str, Any]:
+    users = [f"d{i}" for i in range(users_n)]
+    total = users_n * per_user
+    async with fresh_database(server) as dsn:
+        await grant_all(dsn, users, per_user)
+        async with running_stack(dsn, tmp, http) as (base, _sim, svc):
+            tokens = {
+                u: {"Authorization": f"Bearer {mint_token(u, SECRETS['AQ_JWT_SECRET'])}"}
+                for u in users
+            }
+            work = [(u, n) for n in range(per_user) for u in users]
+            cursor = 0
+            started = time.perf_counter()
+
+            async def worker() -> None:
+                nonlocal cursor
+                while cursor < len(work):
+                    u, n = work[cursor]
+                    cursor += 1
+                    async with http.post(
+                        f"{base}/v1/analyses", json=_body(n), headers=tokens[u]
+                    ) as r:
+                        await r.read()
+                        assert r.status == 201, r.status
+
+            await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+            admitted_s = time.perf_counter() - started
+            await _wait_all_terminal(dsn, total, 600)
+            wall = time.perf_counter() - started
+            rss = svc.peak_rss_mb()
+        conn = await asyncpg.connect(dsn)
+        try:
+            succeeded = await conn.fetchval(
+                "SELECT count(*) FROM analysis_jobs WHERE status='succeeded'"
+            )
+            # Max concurrency per user: the most [promoted_at, finished_at) intervals that overlap.
+            overlap = await conn.fetchval(
+                """SELECT coalesce(max(c), 0) FROM (
+                       SELECT count(*) AS c FROM analysis_jobs a JOIN analysis_jobs b
+                         ON a.user_id = b.user_id AND b.promoted_at <= a.promoted_at
+                        AND b.finished_at > a.promoted_at
+                        AND a.delta_of_job_id IS NULL AND b.delta_of_job_id IS NULL
+                      GROUP BY a.id) s"""
+            )
+        finally:
+            await conn.close()
+    return {
+        "jobs": total,
+        "succeeded": succeeded,
+        "admitted_in_s": admitted_s,
+        "drained_in_s": wall,
+        "jobs_per_s": total / wall,
+        "max_concurrency_per_user": overlap,
+        "peak_rss_mb": rss,
+    }
+
+
+# -- 4. sweep cost vs history -------------------------------------------------------------------
+
+
+async def bench_sweep(server: str, histories: list[int], users_n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for history in histories:
+        async with fresh_database(server) as dsn:
+            conn = await asyncpg.connect(dsn)
+            try:
+                # Each user: one running job and one queued behind it (nothing to promote),
+                # plus `history` finished jobs spread over the users.
+                await conn.execute(
+                    """INSERT INTO analysis_jobs (id, user_id, run_id, core_run_id, status, thesis,
+                                                  sources, cost, promoted_at, started_at)
+                       SELECT gen_random_uuid(), 'u' || g, gen_random_uuid(), 'r-run-' || g,
+                              'running', '{}', '[]', 0, now(), now()
+                         FROM generate_series(1, $1) g""",
+                    users_n,
+                )
+                await conn.execute(
+                    """INSERT INTO analysis_jobs (id, user_id, run_id, core_run_id, status, thesis,
+                                                  sources, cost)
+                       SELECT gen_random_uuid(), 'u' || g, gen_random_uuid(), 'r-q-' || g,
+                              'queued', '{}', '[]', 0
+                         FROM generate_series(1, $1) g""",
+                    users_n,
+                )
+                await conn.execute(
+                    """INSERT INTO analysis_jobs (id, user_id, run_id, core_run_id, status, thesis,
+                                                  sources, cost, promoted_at, started_at,
+                                                  finished_at, verdicts)
+                       SELECT gen_random_uuid(), 'u' || (g % $2), gen_random_uuid(), 'r-h-' || g,
+                              'succeeded', '{"title": "t"}', '["10.1/x"]', 0, now(), now(), now(),
+                              '[{"source": "10.1/x", "verdict": "supported"}]'
+                         FROM generate_series(1, $1) g""",
+                    history,
+                    users_n,
+                )
+                await conn.execute("VACUUM ANALYZE analysis_jobs")
+                plans = {}
+                from service.sqlfiles import queries
+
+                q = queries()
+                for name, args in (
+                    ("sweep_users_to_promote", (1000,)),
+                    ("sweep_pending_due", (1000,)),
+                    ("sweep_running_quiet", (3600.0, 1000)),
+                ):
+                    rows = await conn.fetch("EXPLAIN " + q[name], *args)
+                    plans[name] = [r[0] for r in rows]
+            finally:
+                await conn.close()
+            db = await Database.connect(dsn)
+            core = CoreClient("http://127.0.0.1:9")  # never called: nothing is due
+            await core.start()
+            dispatcher = Dispatcher(db, core, DispatchSettings(instance_id="bench"))
+            sweeper = Sweeper(db, core, dispatcher, SweepSettings(running_quiet_s=3600))
+            times = []
+            for _ in range(7):
+                report = await sweeper.run_once()
+                times.append(report.duration_s)
+            await core.close()
+            await db.close()
+            out[str(history)] = {"median_ms": statistics.median(times) * 1e3, "plans": plans}
+    keys = [str(h) for h in histories]
+    out["ratio"] = out[keys[-1]]["median_ms"] / out[keys[0]]["median_ms"]
+    return out
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    only = set(args.only.split(",")) if args.only else {"admit", "promotion", "drain", "sweep"}
+    results: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
+    }
+    with tempfile.TemporaryDirectory(prefix="aq-bench-") as tmp_s:
+        tmp = Path(tmp_s)
+        server = server_dsn(tmp)
+        conn = await asyncpg.connect(server)
+        results["machine"]["postgres"] = await conn.fetchval("SHOW server_version")
+        await conn.close()
+        timeout = aiohttp.ClientTimeout(total=60)
+        connector = aiohttp.TCPConnector(limit=CONCURRENCY * 2)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+            if "admit" in only:
+                results["admit"] = await bench_admit(server, tmp, http, args.duration)
+                print_admit(results["admit"])
+            if "promotion" in only:
+                n = 200 if args.quick else 1000
+                results["promotion"] = {
+                    "callback_tail": await promotion_by_callback(server, tmp, http, n),
+                    "notify": await promotion_external(server, tmp, http, n, listen=True),
+                    "sweep_only_0.25s": await promotion_external(
+                        server, tmp, http, min(n, 200), listen=False
+                    ),
+                }
+                print_promotion(results["promotion"])
+            if "drain" in only:
+                users = 200 if args.quick else 1000
+                results["drain"] = await bench_drain(server, tmp, http, users, 5)
+                print_drain(results["drain"])
+            if "sweep" in only:
+                big = 100_000 if args.quick else 1_000_000
+                results["sweep"] = await bench_sweep(server, [1000, big], 10_000)
+                print_sweep(results["sweep"])
+    return results
+
+
+def print_admit(r: dict[str, Any]) -> None:
+    print("\n1. Admit (64 concurrent clients)")
+    print(
+        f"   {'':12} {'service/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'raw SQL/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>6} {'RSS MB':>7}"
+    )
+    for label, v in r.items():
+        s, raw = v["service"], v["raw_sql"]
+        print(
+            f"   {label:12} {s['rate']:10.0f} {s['p50_ms']:8.1f} {s['p99_ms']:8.1f} "
+            f"{raw['rate']:10.0f} {raw['p50_ms']:8.1f} {raw['p99_ms']:8.1f} {v['ratio']:6.2f} {s['peak_rss_mb']:7.0f}"
+        )
+
+
+def print_promotion(r: dict[str, Any]) -> None:
+    print("\n2. Promotion latency: completion commit -> next job running in Core")
+    for label, v in r.items():
+        print(
+            f"   {label:18} n={v['n']:5d}  p50 {v['p50_ms']:7.1f} ms  p99 {v['p99_ms']:7.1f} ms  max {v['max_ms']:7.1f} ms"
+        )
+
+
+def print_drain(r: dict[str, Any]) -> None:
+    print("\n3. Drain")
+    print(
+        f"   {r['jobs']} jobs: admitted in {r['admitted_in_s']:.1f}s, all succeeded in {r['drained_in_s']:.1f}s "
+        f"= {r['jobs_per_s']:.0f} jobs/s; max concurrency per user {r['max_concurrency_per_user']}; "
+        f"peak RSS {r['peak_rss_mb']:.0f} MB"
+    )
+
+
+def print_sweep(r: dict[str, Any]) -> None:
+    print("\n4. Sweep pass, 10,000 users with a queued job")
+    for k, v in r.items():
+        if k != "ratio":
+            print(f"   history {int(k):>9,}: {v['median_ms']:7.1f} ms")
+    print(f"   ratio: {r['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument("--only", default="", help="comma list: admit,promotion,drain,sweep")
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per admit run")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
+    ns = parser.parse_args()
+    res = asyncio.run(main(ns))
+    Path(ns.out).write_text(json.dumps(res, indent=2, default=str))
+    print(f"\nwritten: {ns.out}")
