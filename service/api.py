@@ -14,7 +14,7 @@ import pydantic
 from aiohttp import web
 
 from . import errors
-from .auth import require_admin, user_from_header
+from .auth import require_admin
 from .completion import apply_core_run
 from .core_client import CoreRun, verify_callback
 from .models import OPEN_STATUSES, StaleReservation
@@ -96,9 +96,7 @@ def _services(request: web.Request) -> Services:
 
 
 def _user(request: web.Request) -> str:
-    return user_from_header(
-        request.headers.get("Authorization"), _services(request).settings.jwt_secret
-    )
+    return _services(request).tokens.user(request.headers.get("Authorization"))
 
 
 async def _body(request: web.Request, model: type[Model]) -> Model:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from . import api
 from .admit import Admitter
+from .auth import TokenCache
 from .config import Settings
 from .core_client import CoreClient
 from .core_sim import CoreSimulator
@@ -139,6 +140,7 @@ def _make_services(
         dispatcher=dispatcher,
         sweeper=sweeper,
         listener=listener,
+        tokens=TokenCache(settings.jwt_secret),
         simulator=simulator,
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections import OrderedDict
 from typing import Any
 
 import jwt
@@ -26,7 +27,11 @@ def _bearer(header: str | None) -> str:
 
 def user_from_header(header: str | None, secret: str) -> str:
     """The user id (``sub``) of a valid token; Unauthorized otherwise."""
-    token = _bearer(header)
+    return _verify(_bearer(header), secret)[0]
+
+
+def _verify(token: str, secret: str) -> tuple[str, float]:
+    """(sub, exp) of a valid token."""
     try:
         claims: dict[str, Any] = jwt.decode(
             token,
@@ -41,7 +46,30 @@ def user_from_header(header: str | None, secret: str) -> str:
     sub = claims.get("sub")
     if not isinstance(sub, str) or not 0 < len(sub) <= MAX_USER_ID_LEN or not sub.isprintable():
         raise errors.Unauthorized("The token's subject is not a valid user id.")
-    return sub
+    return sub, float(claims["exp"])
+
+
+class TokenCache:
+    """Verified tokens, so a client's every request does not pay for HMAC and JSON parsing
+    again. A hit is still checked against the token's expiry; bounded, oldest evicted."""
+
+    def __init__(self, secret: str, max_entries: int = 10_000) -> None:
+        self._secret = secret
+        self._max = max_entries
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def user(self, header: str | None) -> str:
+        token = _bearer(header)
+        hit = self._entries.get(token)
+        if hit is not None:
+            if hit[1] > time.time():
+                return hit[0]
+            del self._entries[token]
+        sub, exp = _verify(token, self._secret)
+        self._entries[token] = (sub, exp)
+        if len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+        return sub
 
 
 def require_admin(header: str | None, admin_token: str) -> None:

@@ -89,6 +89,13 @@ async def _init_connection(conn: asyncpg.Connection[Any]) -> None:
     )
 
 
+async def _keep_session(_conn: asyncpg.Connection[Any]) -> None:
+    """Pool release without the default reset query (``UNLISTEN *``, ``pg_advisory_unlock_all``
+    ...): a round trip per release, for session state this service never leaves on pooled
+    connections (the lock is transaction-scoped, LISTEN has its own connection). asyncpg still
+    rolls back a connection released inside a transaction."""
+
+
 def _server_settings(application_name: str) -> dict[str, str]:
     return {
         "application_name": application_name[:63],
@@ -128,6 +135,7 @@ class Database:
                 min_size=min_size,
                 max_size=max_size,
                 init=_init_connection,
+                reset=_keep_session,
                 server_settings=_server_settings(application_name),
                 command_timeout=30,
                 max_inactive_connection_lifetime=300,

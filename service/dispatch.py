@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
@@ -24,6 +25,8 @@ from .db import Database
 from .models import Job
 
 log = logging.getLogger(__name__)
+
+RECENT_MAX = 10_000  # job ids remembered as dispatched here, to ignore their NOTIFY echoes
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Dispatcher:
         self.core = core
         self.settings = settings
         self._inflight: set[UUID] = set()
+        self._recent: OrderedDict[UUID, None] = OrderedDict()  # dispatched here lately
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: dict[UUID, asyncio.TimerHandle] = {}
         self._sem = asyncio.Semaphore(settings.concurrency)
@@ -72,8 +76,13 @@ class Dispatcher:
         self.released = 0  # counters for tests and metrics
         self.gave_up = 0
 
-    def submit(self, job_id: UUID) -> None:
+    def submit(self, job_id: UUID, *, hint: bool = False) -> None:
+        """Release ``job_id`` soon. ``hint``: it comes from a notification, so skip a job this
+        instance has already dispatched (every instance hears every NOTIFY; the claim would
+        refuse it anyway, a round trip later)."""
         if self._stopping or job_id in self._inflight:
+            return
+        if hint and job_id in self._recent:
             return
         self._inflight.add(job_id)
         task = asyncio.create_task(self._run(job_id), name=f"dispatch-{job_id}")
@@ -90,6 +99,9 @@ class Dispatcher:
             log.exception("dispatch failed", extra={"action": "dispatch", "job_id": str(job_id)})
         finally:
             self._inflight.discard(job_id)
+            self._recent[job_id] = None
+            if len(self._recent) > RECENT_MAX:
+                self._recent.popitem(last=False)
 
     async def dispatch_once(self, job_id: UUID) -> str:
         """One release attempt. Returns what happened (for tests and logs)."""

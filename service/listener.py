@@ -57,6 +57,8 @@ class Listener:
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._promoting: set[str] = set()
+        self._freed: dict[str, bool] = {}  # users whose slot freed in this notification batch
+        self._flush_scheduled = False
         self._again: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._sem = asyncio.Semaphore(settings.promote_concurrency)
@@ -87,15 +89,31 @@ class Listener:
             )
             return
         new, old = event.get("new"), event.get("old")
-        if new == "pending":
-            self.dispatcher.submit(job_id)
+        first_pass = not event.get("delta")
         frees_slot = (
-            not event.get("delta")
+            first_pass
             and old in _FREEING_STATUSES
             and (new not in _FREEING_STATUSES or event.get("deleted"))
         )
         if frees_slot:
-            self.promote_soon(user_id)
+            self._freed[user_id] = True
+            if not self._flush_scheduled:
+                # asyncpg queues every notification of one read with call_soon; this runs
+                # after all of them, so a finish and the tail promotion committed with it
+                # (its "pending") are seen together and need no second promotion.
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush_freed)
+        if new == "pending":
+            self.dispatcher.submit(job_id, hint=True)
+            if first_pass and user_id in self._freed:
+                self._freed[user_id] = False  # filled again after it was freed
+
+    def _flush_freed(self) -> None:
+        self._flush_scheduled = False
+        freed, self._freed = self._freed, {}
+        for user_id, still_free in freed.items():
+            if still_free:
+                self.promote_soon(user_id)
 
     def promote_soon(self, user_id: str) -> None:
         """Promote a user's next job; concurrent requests for one user fold into one re-run."""

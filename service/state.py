@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from .admit import Admitter
+from .auth import TokenCache
 from .config import Settings
 from .core_client import CoreClient
 from .core_sim import CoreSimulator
@@ -25,6 +26,7 @@ class Services:
     dispatcher: Dispatcher
     sweeper: Sweeper
     listener: Listener | None
+    tokens: TokenCache
     simulator: CoreSimulator | None = None
     migrated: bool = False
     stopping: bool = False
