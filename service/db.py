@@ -349,17 +349,22 @@ class Database:
     # -- schema ------------------------------------------------------------------------------
 
     async def pending_migrations(self) -> list[int]:
-        """Migration versions this code has that the database has not applied."""
+        """Versions this code has that the database lacks, or applied with other text."""
         with wrap_errors():
-            applied = await _applied_versions(self.pool)
-        return [m.version for m in migrations() if m.version not in applied]
+            applied = await _applied(self.pool)
+        return [m.version for m in migrations() if applied.get(m.version) != m.checksum]
 
 
-async def _applied_versions(conn: asyncpg.Pool[Any] | asyncpg.Connection[Any]) -> set[int]:
+class MigrationChanged(RuntimeError):
+    """An applied migration's text differs from this code's: schemas would silently diverge."""
+
+
+async def _applied(conn: asyncpg.Pool[Any] | asyncpg.Connection[Any]) -> dict[int, str]:
     exists = await conn.fetchval("SELECT to_regclass('aq_schema_migrations') IS NOT NULL")
     if not exists:
-        return set()
-    return {r["version"] for r in await conn.fetch("SELECT version FROM aq_schema_migrations")}
+        return {}
+    rows = await conn.fetch("SELECT version, checksum FROM aq_schema_migrations")
+    return {r["version"]: r["checksum"] for r in rows}
 
 
 async def apply_migrations(dsn: str) -> list[int]:
@@ -379,9 +384,20 @@ async def apply_migrations(dsn: str) -> list[int]:
                     """CREATE TABLE IF NOT EXISTS aq_schema_migrations (
                            version integer PRIMARY KEY,
                            name text NOT NULL,
+                           checksum text NOT NULL,
                            applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"""
                 )
-                applied = await _applied_versions(conn)
+                applied = await _applied(conn)
+            changed = [
+                m.version
+                for m in migrations()
+                if m.version in applied and applied[m.version] != m.checksum
+            ]
+            if changed:
+                raise MigrationChanged(
+                    f"applied migrations {changed} differ from this code's; "
+                    "never edit an applied migration, add a new one"
+                )
             done: list[int] = []
             for migration in migrations():
                 if migration.version in applied:
@@ -390,9 +406,11 @@ async def apply_migrations(dsn: str) -> list[int]:
                     async with conn.transaction():
                         await conn.execute(migration.sql)
                         await conn.execute(
-                            "INSERT INTO aq_schema_migrations (version, name) VALUES ($1, $2)",
+                            "INSERT INTO aq_schema_migrations (version, name, checksum)"
+                            " VALUES ($1, $2, $3)",
                             migration.version,
                             migration.name,
+                            migration.checksum,
                         )
                 log.info(
                     "migration applied",

@@ -6,6 +6,7 @@ In a checkout (and an editable install) the files are the repository's ``sql/`` 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -29,6 +30,11 @@ class Migration:
     version: int
     name: str
     sql: str
+
+    @property
+    def checksum(self) -> str:
+        """Recorded when applied: an applied migration must never change (add a new one)."""
+        return hashlib.sha256(self.sql.encode()).hexdigest()
 
 
 def parse_queries(text: str) -> dict[str, str]:
