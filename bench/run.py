@@ -95,6 +95,12 @@ class Proc:
         self._f = log.open("wb")
         self.p = subprocess.Popen(args, env=env, stdout=self._f, stderr=subprocess.STDOUT)
 
+    def cpu_s(self) -> float:
+        import psutil
+
+        t = psutil.Process(self.p.pid).cpu_times()
+        return float(t.user + t.system)
+
     def peak_rss_mb(self) -> float:
         for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -154,6 +160,7 @@ async def running_stack(
     try:
         await _wait_http(http, f"{sim_base}/_sim/runs")
         await _wait_http(http, f"{base}/readyz")
+        svc.sim = sim  # type: ignore[attr-defined]
         yield base, sim_base, svc
     finally:
         svc.stop()
@@ -384,10 +391,11 @@ async def promotion_external(
 
             async def chain(user: str) -> None:
                 for _ in range(per_user - 1):
-                    while not await finisher_running(user):
-                        running[user].clear()
+                    while True:
+                        running[user].clear()  # before the check: a later "running" stays set
+                        if await finisher_running(user):
+                            break
                         await asyncio.wait_for(running[user].wait(), 30)
-                    running[user].clear()
                     async with lock:
                         await finisher.execute(
                             """UPDATE analysis_jobs SET status = 'succeeded',
@@ -438,6 +446,9 @@ async def bench_drain(
             }
             work = [(u, n) for n in range(per_user) for u in users]
             cursor = 0
+            import psutil
+
+            cpu0 = (svc.cpu_s(), svc.sim.cpu_s(), psutil.cpu_times(), time.process_time())
             started = time.perf_counter()
 
             async def worker() -> None:
@@ -456,6 +467,14 @@ async def bench_drain(
             await _wait_all_terminal(dsn, total, 600)
             wall = time.perf_counter() - started
             rss = svc.peak_rss_mb()
+            sys_now = psutil.cpu_times()
+            busy = (sys_now.user + sys_now.system) - (cpu0[2].user + cpu0[2].system)
+            cpu = {
+                "service": (svc.cpu_s() - cpu0[0]) / wall,
+                "simulator": (svc.sim.cpu_s() - cpu0[1]) / wall,
+                "load_generator": (time.process_time() - cpu0[3]) / wall,
+                "machine": busy / wall,
+            }
         conn = await asyncpg.connect(dsn)
         try:
             succeeded = await conn.fetchval(
@@ -480,6 +499,7 @@ async def bench_drain(
         "jobs_per_s": total / wall,
         "max_concurrency_per_user": overlap,
         "peak_rss_mb": rss,
+        "cpu_cores_used": cpu,
     }
 
 
@@ -626,6 +646,7 @@ def print_drain(r: dict[str, Any]) -> None:
         f"= {r['jobs_per_s']:.0f} jobs/s; max concurrency per user {r['max_concurrency_per_user']}; "
         f"peak RSS {r['peak_rss_mb']:.0f} MB"
     )
+    print("   CPU (cores busy): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores_used"].items()))
 
 
 def print_sweep(r: dict[str, Any]) -> None:

@@ -81,6 +81,16 @@ def _demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(theses=args.theses, judge_time_s=args.judge_time))
 
 
+def _use_uvloop() -> None:
+    """uvloop where it is installed (Linux, macOS): the same asyncio, markedly less CPU per
+    request and per query, which is this service's limit (see docs/benchmarks.md)."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="analysis-queue", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "token" and not args.admin and not args.user:
         parser.error("token needs a USER (or --admin)")
+    if args.command in ("serve", "core-sim", "demo"):
+        _use_uvloop()
     return int(args.fn(args))
 
 
