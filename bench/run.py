@@ -646,7 +646,9 @@ def print_drain(r: dict[str, Any]) -> None:
         f"= {r['jobs_per_s']:.0f} jobs/s; max concurrency per user {r['max_concurrency_per_user']}; "
         f"peak RSS {r['peak_rss_mb']:.0f} MB"
     )
-    print("   CPU (cores busy): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores_used"].items()))
+    print(
+        "   CPU (cores busy): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores_used"].items())
+    )
 
 
 def print_sweep(r: dict[str, Any]) -> None:
