@@ -17,6 +17,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from uuid import UUID
 
 from . import errors
 from .completion import apply_core_run
@@ -26,6 +27,8 @@ from .dispatch import Dispatcher
 from .models import StaleReservation
 
 log = logging.getLogger(__name__)
+
+POLL_CONCURRENCY = 16  # Core status requests in flight at once during a sweep
 
 
 @dataclass(frozen=True)
@@ -108,30 +111,38 @@ class Sweeper:
         quiet = await self.db.running_quiet(self.settings.running_quiet_s, self.settings.batch)
         if not quiet:
             return
-        polled = []
-        for job_id, core_run_id in quiet:
-            try:
-                run = await self.core.get_run(core_run_id)
-            except errors.CoreUnavailable:
-                break  # "unknown", not "failed": try again next pass
-            polled.append(job_id)
+        sem = asyncio.Semaphore(POLL_CONCURRENCY)
+
+        async def poll(job_id: UUID, core_run_id: str) -> UUID | None:
+            async with sem:
+                try:
+                    run = await self.core.get_run(core_run_id)
+                except errors.CoreUnavailable:
+                    return None  # "unknown", not "failed": ask again next pass
             report.polled += 1
             if run is None:
-                # Core has no such run any more: the analysis is lost; fail and refund.
-                result = await self.db.finish(
-                    job_id=job_id,
-                    status="failed",
-                    from_statuses=("running",),
-                    error_code="core_run_lost",
-                    error_detail="Core no longer knows this run.",
-                )
-                if result is not None and result.promoted is not None:
-                    self.dispatcher.submit(result.promoted.id)
-                report.completed += 1
+                await self._lost(job_id, report)
             elif run.finished and await apply_core_run(self.db, self.dispatcher, run) == "applied":
                 report.completed += 1
+            return job_id
+
+        results = await asyncio.gather(*(poll(j, r) for j, r in quiet))
+        polled = [job_id for job_id in results if job_id is not None]
         if polled:
             await self.db.mark_polled(polled)
+
+    async def _lost(self, job_id: UUID, report: SweepReport) -> None:
+        """Core has no such run any more: the analysis is lost; fail and refund."""
+        result = await self.db.finish(
+            job_id=job_id,
+            status="failed",
+            from_statuses=("running",),
+            error_code="core_run_lost",
+            error_detail="Core no longer knows this run.",
+        )
+        if result is not None and result.promoted is not None:
+            self.dispatcher.submit(result.promoted.id)
+        report.completed += 1
 
     async def _reservations(self, report: SweepReport) -> None:
         stale = await self.db.take_stale_reservations(
