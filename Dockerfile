@@ -20,7 +20,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 RUN groupadd --system --gid 10001 aq \
     && useradd --system --uid 10001 --gid aq --home-dir /var/lib/analysis-queue --create-home aq
 COPY --from=build /opt/venv /opt/venv
-USER aq
+USER 10001:10001
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import sys,urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2).status != 200)"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ import orjson
 from . import errors
 from .core_client import CoreClient
 from .db import Database
+from .metrics import Metrics
 from .models import Job
 
 log = logging.getLogger(__name__)
@@ -39,11 +41,20 @@ class Admitted:
 
 
 class Admitter:
-    def __init__(self, db: Database, core: CoreClient, *, analysis_cost: int, recheck_cost: int):
+    def __init__(
+        self,
+        db: Database,
+        core: CoreClient,
+        *,
+        analysis_cost: int,
+        recheck_cost: int,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.db = db
         self.core = core
         self.analysis_cost = analysis_cost
         self.recheck_cost = recheck_cost
+        self.metrics = metrics or Metrics()
 
     async def admit(
         self,
@@ -83,6 +94,35 @@ class Admitter:
         )
 
     async def _admit(
+        self,
+        user_id: str,
+        thesis: dict[str, Any],
+        sources: list[str],
+        *,
+        cost: int,
+        delta_of: UUID | None,
+        idempotency_key: str | None,
+        body_hash: str | None,
+    ) -> Admitted:
+        started = time.perf_counter()
+        try:
+            admitted = await self._reserve_create_admit(
+                user_id,
+                thesis,
+                sources,
+                cost=cost,
+                delta_of=delta_of,
+                idempotency_key=idempotency_key,
+                body_hash=body_hash,
+            )
+        except errors.AppError as exc:
+            self.metrics.admits.labels(exc.code).inc()
+            raise
+        self.metrics.admits.labels("admitted" if admitted.created else "replayed").inc()
+        self.metrics.admit_seconds.observe(time.perf_counter() - started)
+        return admitted
+
+    async def _reserve_create_admit(
         self,
         user_id: str,
         thesis: dict[str, Any],

@@ -19,8 +19,18 @@ log = logging.getLogger(__name__)
 _STATUS_OF_STATE = {"completed": "succeeded", "failed": "failed", "cancelled": "cancelled"}
 
 
-async def apply_core_run(db: Database, dispatcher: Dispatcher, run: CoreRun) -> str:
+async def apply_core_run(
+    db: Database, dispatcher: Dispatcher, run: CoreRun, *, source: str = "callback"
+) -> str:
     """Returns ``applied``, ``duplicate``, ``not_finished`` or ``unknown_run``."""
+    outcome = await _apply(db, dispatcher, run)
+    dispatcher.metrics.callbacks.labels(
+        outcome if source == "callback" else f"poll_{outcome}"
+    ).inc()
+    return outcome
+
+
+async def _apply(db: Database, dispatcher: Dispatcher, run: CoreRun) -> str:
     status = _STATUS_OF_STATE.get(run.state)
     if status is None:
         return "not_finished"
@@ -42,7 +52,10 @@ async def apply_core_run(db: Database, dispatcher: Dispatcher, run: CoreRun) -> 
         log.warning("core event for unknown run", extra={"action": "complete", "run_id": run.id})
         return "unknown_run"
     if result.promoted is not None:
+        dispatcher.metrics.promotions.labels("tail").inc()
         dispatcher.submit(result.promoted.id)
+    if result.changed and status == "failed" and result.job.cost > 0:
+        dispatcher.metrics.refunds.labels("analysis_failed").inc()
     log.info(
         "run finished" if result.changed else "duplicate core event",
         extra={

@@ -22,6 +22,7 @@ import tenacity
 from . import errors
 from .core_client import CoreClient
 from .db import Database
+from .metrics import Metrics
 from .models import Job
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,17 @@ def next_attempt_at(
 class Dispatcher:
     """Releases pending jobs. ``submit(job_id)`` from anywhere; duplicates are folded."""
 
-    def __init__(self, db: Database, core: CoreClient, settings: DispatchSettings) -> None:
+    def __init__(
+        self,
+        db: Database,
+        core: CoreClient,
+        settings: DispatchSettings,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.db = db
         self.core = core
         self.settings = settings
+        self.metrics = metrics or Metrics()
         self._inflight: set[UUID] = set()
         self._recent: OrderedDict[UUID, None] = OrderedDict()  # dispatched here lately
         self._tasks: set[asyncio.Task[None]] = set()
@@ -92,7 +100,9 @@ class Dispatcher:
     async def _run(self, job_id: UUID) -> None:
         try:
             async with self._sem:
-                await self.dispatch_once(job_id)
+                outcome = await self.dispatch_once(job_id)
+            if outcome != "not_claimed":
+                self.metrics.releases.labels(outcome).inc()
         except errors.DatabaseUnavailable:
             log.warning("dispatch: database unavailable", extra={"job_id": str(job_id)})
         except Exception:
@@ -164,6 +174,8 @@ class Dispatcher:
             error_code=code,
             error_detail=detail,
         )
+        if result is not None and result.changed:
+            self.metrics.refunds.labels(code).inc()
         log.warning(
             "release failed",
             extra={
@@ -174,6 +186,7 @@ class Dispatcher:
             },
         )
         if result is not None and result.promoted is not None:
+            self.metrics.promotions.labels("tail").inc()
             self.submit(result.promoted.id)
 
     def _schedule(self, job_id: UUID, delay_s: float) -> None:

@@ -79,6 +79,7 @@ class Listener:
     def handle_payload(self, payload: str) -> None:
         """Called by asyncpg for each notification; must not block."""
         self.notifications += 1
+        self.dispatcher.metrics.notifications.inc()
         try:
             event: dict[str, Any] = orjson.loads(payload)
             job_id = UUID(event["id"])
@@ -133,6 +134,7 @@ class Listener:
                     job = await self.db.promote_next(user_id)
                 if job is not None:
                     self.promotions += 1
+                    self.dispatcher.metrics.promotions.labels("notify").inc()
                     log.info(
                         "promoted",
                         extra={
@@ -161,6 +163,7 @@ class Listener:
         )
         try:
             self.connected.set()
+            self.dispatcher.metrics.listener_up.set(1)
             log.info("listening", extra={"action": "listen", "backend_pid": self.backend_pid()})
             if self.on_connected is not None:
                 self.on_connected()
@@ -174,6 +177,7 @@ class Listener:
                 await self._conn.ping(self.settings.ping_timeout_s)
         finally:
             self.connected.clear()
+            self.dispatcher.metrics.listener_up.set(0)
             conn, self._conn = self._conn, None
             await conn.close()
 
@@ -198,6 +202,7 @@ class Listener:
             except (errors.DatabaseUnavailable, OSError) as exc:
                 failures += 1
                 self.reconnects += 1
+                self.dispatcher.metrics.listener_reconnects.inc()
                 log.warning(
                     "listener connection lost",
                     extra={"action": "listen", "reason": str(exc), "attempt": failures},
@@ -205,6 +210,7 @@ class Listener:
             except Exception:
                 failures += 1
                 self.reconnects += 1
+                self.dispatcher.metrics.listener_reconnects.inc()
                 log.exception("listener failed", extra={"action": "listen"})
             if self._stopping.is_set():
                 break

@@ -79,6 +79,7 @@ class Sweeper:
             except Exception:
                 log.exception("sweep step failed", extra={"action": "sweep", "step": step.__name__})
         report.duration_s = time.perf_counter() - started
+        self.dispatcher.metrics.sweep_seconds.observe(report.duration_s)
         self.passes += 1
         self.last_report = report
         if report.promoted or report.completed or report.reservations_cancelled:
@@ -91,6 +92,7 @@ class Sweeper:
             job = await self.db.promote_next(user_id)
             if job is not None:
                 report.promoted += 1
+                self.dispatcher.metrics.promotions.labels("sweep").inc()
                 log.info(
                     "promoted",
                     extra={
@@ -122,7 +124,10 @@ class Sweeper:
             report.polled += 1
             if run is None:
                 await self._lost(job_id, report)
-            elif run.finished and await apply_core_run(self.db, self.dispatcher, run) == "applied":
+            elif (
+                run.finished
+                and await apply_core_run(self.db, self.dispatcher, run, source="poll") == "applied"
+            ):
                 report.completed += 1
             return job_id
 
@@ -141,7 +146,10 @@ class Sweeper:
             error_detail="Core no longer knows this run.",
         )
         if result is not None and result.promoted is not None:
+            self.dispatcher.metrics.promotions.labels("tail").inc()
             self.dispatcher.submit(result.promoted.id)
+        if result is not None and result.changed:
+            self.dispatcher.metrics.refunds.labels("core_run_lost").inc()
         report.completed += 1
 
     async def _reservations(self, report: SweepReport) -> None:

@@ -1,0 +1,52 @@
+"""Prometheus metrics: one registry per application instance, scraped at ``/metrics``.
+
+Counters are incremented where things happen; gauges of the queue's open work are read from the
+database at scrape time with queries that only touch the partial indexes of open jobs.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.jobs = Gauge("aq_jobs", "Open jobs by status", ["status"], registry=r)
+        self.admits = Counter("aq_admits", "Admit requests by outcome", ["outcome"], registry=r)
+        self.admit_seconds = Histogram(
+            "aq_admit_seconds", "Admit latency", buckets=_LATENCY_BUCKETS_S, registry=r
+        )
+        self.promotions = Counter(
+            "aq_promotions", "Jobs promoted from queued, by trigger", ["trigger"], registry=r
+        )
+        self.releases = Counter(
+            "aq_release_attempts", "Held-run release attempts by outcome", ["outcome"], registry=r
+        )
+        self.refunds = Counter("aq_refunds", "Credits refunded, by reason", ["reason"], registry=r)
+        self.callbacks = Counter(
+            "aq_core_callbacks", "Core callbacks by outcome", ["outcome"], registry=r
+        )
+        self.listener_reconnects = Counter(
+            "aq_listener_reconnects", "LISTEN connection losses", registry=r
+        )
+        self.listener_up = Gauge(
+            "aq_listener_up", "1 while the LISTEN connection is up", registry=r
+        )
+        self.notifications = Counter("aq_notifications", "Notifications received", registry=r)
+        self.sweep_seconds = Histogram(
+            "aq_sweep_seconds", "Duration of one sweep pass", buckets=_LATENCY_BUCKETS_S, registry=r
+        )
+        self.pool_size = Gauge("aq_db_pool_connections", "Pool connections", ["state"], registry=r)
+        self.event_subscribers = Gauge(
+            "aq_event_subscribers", "Open event-stream subscribers", registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
