@@ -17,14 +17,18 @@ from . import errors
 from .auth import require_admin
 from .completion import apply_core_run
 from .core_client import CoreRun, verify_callback
+from .logs import request_id_var
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .models import OPEN_STATUSES, StaleReservation
-from .schemas import AnalysisRequest, CreditGrant, RecheckRequest
+from .schemas import CONTROL_CHARS, AnalysisRequest, CreditGrant, RecheckRequest
 from .state import SERVICES, Services
 
 log = logging.getLogger(__name__)
 
 PROBLEM_TYPE_BASE = "https://analysis-queue.invalid/problems/"
 MAX_IDEMPOTENCY_KEY_LEN = 200
+MAX_REPORTED_ERRORS = 20
+MAX_FIELD_NAME_CHARS = 100
 Model = TypeVar("Model", bound=pydantic.BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -39,7 +43,9 @@ def json_response(
     )
 
 
-def problem(error: errors.AppError, instance: str) -> web.Response:
+def problem(
+    error: errors.AppError, instance: str, headers: dict[str, str] | None = None
+) -> web.Response:
     body: dict[str, Any] = {
         "type": PROBLEM_TYPE_BASE + error.code,
         "title": error.title,
@@ -53,15 +59,19 @@ def problem(error: errors.AppError, instance: str) -> web.Response:
         body=orjson.dumps(body),
         status=error.status,
         content_type="application/problem+json",
-        headers=error.headers,
+        headers={**error.headers, **(headers or {})},
     )
 
 
 _HTTP_ERRORS: dict[int, type[errors.AppError]] = {
+    400: errors.MalformedRequest,
     404: errors.NotFound,
     405: errors.MethodNotAllowed,
     413: errors.PayloadTooLarge,
+    415: errors.UnsupportedMediaType,
 }
+# Headers of aiohttp's own HTTP errors that a client needs (405 must say what is allowed).
+_KEPT_HEADERS = ("Allow",)
 
 
 @web.middleware
@@ -79,10 +89,11 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        mapped = _HTTP_ERRORS.get(exc.status)
-        if mapped is None:
-            raise
-        return problem(mapped(), request.path)
+        # Whatever else aiohttp may raise is still a problem, never its text page.
+        fallback = errors.BadRequest if exc.status < 500 else errors.AppError
+        error = _HTTP_ERRORS.get(exc.status, fallback)()
+        kept = {name: exc.headers[name] for name in _KEPT_HEADERS if name in exc.headers}
+        return problem(error, request.path, kept)
     except Exception:
         log.exception("unhandled error", extra={"action": "http", "path": request.path})
         return problem(errors.AppError(), request.path)
@@ -102,19 +113,37 @@ def _user(request: web.Request) -> str:
 async def _body(request: web.Request, model: type[Model]) -> Model:
     if request.content_type != "application/json":
         raise errors.UnsupportedMediaType()
-    raw = await request.read()
+    if (request.charset or "utf-8").lower() not in ("utf-8", "utf8"):
+        raise errors.UnsupportedMediaType("JSON must be UTF-8 (RFC 8259).")
+    if request.content_length is not None and request.content_length > request.client_max_size:
+        raise errors.PayloadTooLarge()  # said before a byte of it is read
+    raw = await request.read()  # a chunked body past client_max_size: HTTPRequestEntityTooLarge
     try:
-        data = orjson.loads(raw)
+        data = orjson.loads(raw)  # refuses invalid UTF-8, lone surrogates, NaN/Infinity, depth
     except (orjson.JSONDecodeError, RecursionError) as exc:
         raise errors.MalformedRequest() from exc
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems = [
-            {"field": ".".join(str(p) for p in e["loc"]) or "(body)", "message": e["msg"]}
-            for e in exc.errors(include_url=False, include_input=False)
+        raise _invalid_body(exc) from exc
+
+
+def _invalid_body(exc: pydantic.ValidationError) -> errors.InvalidBody:
+    """422 naming each bad field. Never echoes the input; field names an attacker chose (unknown
+    keys) are cut short and lose their control characters, and the list is bounded."""
+    problems = [
+        {
+            "field": CONTROL_CHARS.sub(
+                "?", (".".join(str(p) for p in e["loc"]) or "(body)")[:MAX_FIELD_NAME_CHARS]
+            ),
+            "message": e["msg"],
+        }
+        for e in exc.errors(include_url=False, include_input=False, include_context=False)[
+            :MAX_REPORTED_ERRORS
         ]
-        raise errors.InvalidBody("The request body is invalid.", errors=problems) from exc
+    ]
+    fields = ", ".join(dict.fromkeys(p["field"] for p in problems))
+    return errors.InvalidBody(f"The request body is invalid: {fields}.", errors=problems)
 
 
 def _job_id(request: web.Request) -> UUID:
@@ -129,7 +158,11 @@ def _idempotency_key(request: web.Request) -> str | None:
     if key is None:
         return None
     if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_LEN or not key.isprintable():
-        raise errors.InvalidBody("Idempotency-Key must be 1-200 printable characters.")
+        message = f"must be 1-{MAX_IDEMPOTENCY_KEY_LEN} printable characters"
+        raise errors.InvalidBody(
+            f"Idempotency-Key {message}.",
+            errors=[{"field": "Idempotency-Key", "message": message}],
+        )
     return key
 
 
@@ -275,6 +308,19 @@ async def core_event(request: web.Request) -> web.Response:
 # -- health -------------------------------------------------------------------------------------
 
 
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    services = _services(request)
+    m = services.dispatcher.metrics
+    counts = await services.db.open_job_counts()
+    for status in ("queued", "pending", "running"):
+        m.jobs.labels(status).set(counts.get(status, 0))
+    size, idle = services.db.pool_counts()
+    m.pool_size.labels("total").set(size)
+    m.pool_size.labels("idle").set(idle)
+    return web.Response(body=m.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
 @routes.get("/healthz")
 async def healthz(_request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
@@ -303,6 +349,10 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
     request_id = request.headers.get("X-Request-ID", "")
     if not (0 < len(request_id) <= 100 and request_id.isprintable()):
         request_id = uuid.uuid4().hex
-    response = await handler(request)
+    token = request_id_var.set(request_id)  # every log line of this request carries it
+    try:
+        response = await handler(request)
+    finally:
+        request_id_var.reset(token)
     response.headers["X-Request-ID"] = request_id
     return response

@@ -1,8 +1,9 @@
 """Wiring: build the aiohttp application and own the lifecycle of everything it runs.
 
 Start order (``cleanup_ctx``): database (embedded server if no URL, migrations, pool) -> Core
-(client, or the in-process simulator) -> queue services (dispatcher, listener, sweep). Shutdown
-runs it backwards after aiohttp has stopped taking requests and waited for in-flight ones.
+(client, or the in-process simulator) -> queue services (dispatcher, listener, sweep, event
+hub). Shutdown runs it backwards after aiohttp has stopped taking requests and waited for
+in-flight ones; open event streams are woken first (``on_shutdown``) so that wait is short.
 If a background loop dies, the instance reports it and stops instead of limping on.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from . import api
+from . import api, dashboard, events, openapi
 from .admit import Admitter
 from .auth import TokenCache
 from .config import Settings
@@ -23,6 +24,7 @@ from .core_sim import CoreSimulator
 from .db import Database, apply_migrations
 from .dispatch import Dispatcher, DispatchSettings
 from .embedded import start_embedded
+from .hub import EventHub, HubSettings
 from .listener import Listener, ListenerSettings
 from .state import SERVICES, Services
 from .sweeper import Sweeper, SweepSettings
@@ -50,6 +52,9 @@ def build_app(
         client_max_size=CLIENT_MAX_SIZE,
     )
     app.add_routes(api.routes)
+    app.add_routes(events.routes)
+    app.add_routes(dashboard.routes)
+    app.add_routes(openapi.routes)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         dsn = await resolve_dsn(settings)
@@ -75,6 +80,7 @@ def build_app(
         app[SERVICES] = services
         services.migrated = not await db.pending_migrations()
         _start_loops(services, on_fatal)
+        services.events.start()
         log.info(
             "service started",
             extra={"action": "start", "instance": settings.instance_id, "core_url": core_url},
@@ -83,6 +89,7 @@ def build_app(
             yield
         finally:
             services.stopping = True
+            await services.events.stop()
             if services.listener is not None:
                 await services.listener.stop()
             await services.sweeper.stop()
@@ -93,7 +100,15 @@ def build_app(
             await db.close()
             log.info("service stopped", extra={"action": "stop", "instance": settings.instance_id})
 
+    async def end_event_streams(app: web.Application) -> None:
+        # on_shutdown runs before aiohttp waits for open requests: wake the event streams so
+        # they end now instead of holding shutdown until its timeout.
+        services = app.get(SERVICES)
+        if services is not None:
+            services.events.close()
+
     app.cleanup_ctx.append(lifecycle)
+    app.on_shutdown.append(end_event_streams)
     return app
 
 
@@ -122,25 +137,41 @@ def _make_services(
             reservation_stale_s=settings.reservation_stale_s,
         ),
     )
+    hub = EventHub(db, HubSettings(), dispatcher.metrics)
     listener = None
     if settings.listen_enabled:
+
+        def connected() -> None:  # notifications were lost while the connection was down
+            sweeper.kick()
+            hub.wake_all()
+
         listener = Listener(
             db,
             dispatcher,
             ListenerSettings(ping_interval_s=settings.listener_ping_s),
-            on_connected=sweeper.kick,
+            on_connected=connected,
+            on_job_change=hub.notify,
         )
     return Services(
         settings=settings,
         db=db,
         core=core,
         admitter=Admitter(
-            db, core, analysis_cost=settings.analysis_cost, recheck_cost=settings.recheck_cost
+            db,
+            core,
+            analysis_cost=settings.analysis_cost,
+            recheck_cost=settings.recheck_cost,
+            metrics=dispatcher.metrics,
         ),
         dispatcher=dispatcher,
         sweeper=sweeper,
         listener=listener,
-        tokens=TokenCache(settings.jwt_secret),
+        tokens=TokenCache(
+            settings.jwt_secret,
+            issuer=settings.jwt_issuer or None,
+            audience=settings.jwt_audience or None,
+        ),
+        events=hub,
         simulator=simulator,
     )
 

@@ -1,10 +1,12 @@
-"""Who is calling: user JWTs (HS256, pinned) and the admin bearer token."""
+"""Who is calling: user JWTs (HS256, pinned; optional issuer and audience) and the admin
+bearer token."""
 
 from __future__ import annotations
 
 import hmac
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import jwt
@@ -14,6 +16,8 @@ from . import errors
 ALGORITHM = "HS256"
 TOKEN_TTL_S = 24 * 3600
 MAX_USER_ID_LEN = 200
+# Clock skew tolerated on ``nbf`` and ``iat`` (a token minted by a clock slightly ahead of ours).
+LEEWAY_S = 30
 
 
 def _bearer(header: str | None) -> str:
@@ -25,38 +29,82 @@ def _bearer(header: str | None) -> str:
     return token.strip()
 
 
-def user_from_header(header: str | None, secret: str) -> str:
+def user_from_header(
+    header: str | None,
+    secret: str,
+    *,
+    issuer: str | None = None,
+    audience: str | None = None,
+) -> str:
     """The user id (``sub``) of a valid token; Unauthorized otherwise."""
-    return _verify(_bearer(header), secret)[0]
+    return JwtPolicy(secret, issuer or None, audience or None).verify(_bearer(header))[0]
 
 
-def _verify(token: str, secret: str) -> tuple[str, float]:
-    """(sub, exp) of a valid token."""
-    try:
-        claims: dict[str, Any] = jwt.decode(
-            token,
-            secret,
-            algorithms=[ALGORITHM],  # pinned: "none" and algorithm confusion are refused
-            options={"require": ["sub", "exp"]},
-        )
-    except jwt.ExpiredSignatureError as exc:
-        raise errors.Unauthorized("The token has expired.") from exc
-    except jwt.PyJWTError as exc:
-        raise errors.Unauthorized("The token is invalid.") from exc
-    sub = claims.get("sub")
-    if not isinstance(sub, str) or not 0 < len(sub) <= MAX_USER_ID_LEN or not sub.isprintable():
-        raise errors.Unauthorized("The token's subject is not a valid user id.")
-    return sub, float(claims["exp"])
+@dataclass(frozen=True, slots=True)
+class JwtPolicy:
+    """What a user token must satisfy: HS256 with ``secret``, ``sub`` and ``exp``, and ``iss`` /
+    ``aud`` equal to the configured values when those are set (a token that carries an ``aud``
+    is refused when no audience is configured: it was meant for someone else)."""
+
+    secret: str
+    issuer: str | None = None
+    audience: str | None = None
+
+    def verify(self, token: str) -> tuple[str, int]:
+        """(sub, exp) of a valid token.
+
+        ``nbf`` and ``iat`` are honoured when present, with ``LEEWAY_S`` of tolerance for an
+        issuer whose clock runs ahead of ours. ``exp`` gets none: a token is never accepted
+        after its stated expiry, so a verified token can be cached until exactly ``exp``."""
+        required = ["sub", "exp"]
+        if self.issuer is not None:
+            required.append("iss")
+        if self.audience is not None:
+            required.append("aud")
+        try:
+            claims: dict[str, Any] = jwt.decode(
+                token,
+                self.secret,
+                algorithms=[ALGORITHM],  # pinned: "none" and algorithm confusion are refused
+                issuer=self.issuer,
+                audience=self.audience,
+                leeway=LEEWAY_S,
+                options={"require": required},
+            )
+            exp = int(claims["exp"])  # pyjwt has checked that it is an integer
+        except jwt.ExpiredSignatureError as exc:
+            raise errors.Unauthorized("The token has expired.") from exc
+        except jwt.ImmatureSignatureError as exc:
+            raise errors.Unauthorized("The token is not valid yet.") from exc
+        except (jwt.PyJWTError, ValueError, TypeError, OverflowError) as exc:
+            raise errors.Unauthorized("The token is invalid.") from exc
+        if exp <= time.time():
+            raise errors.Unauthorized("The token has expired.")
+        sub = claims.get("sub")
+        if not isinstance(sub, str) or not 0 < len(sub) <= MAX_USER_ID_LEN or not sub.isprintable():
+            raise errors.Unauthorized("The token's subject is not a valid user id.")
+        return sub, exp
 
 
 class TokenCache:
     """Verified tokens, so a client's every request does not pay for HMAC and JSON parsing
-    again. A hit is still checked against the token's expiry; bounded, oldest evicted."""
+    again. A hit is still checked against the token's expiry; bounded, oldest evicted.
 
-    def __init__(self, secret: str, max_entries: int = 10_000) -> None:
-        self._secret = secret
+    The key is the token itself: everything else verification depends on (secret, issuer,
+    audience) is fixed for the cache's lifetime, and a token's own ``nbf`` lies in the past
+    once it has been verified, so the one thing that can change a verdict is ``exp``."""
+
+    def __init__(
+        self,
+        secret: str,
+        max_entries: int = 10_000,
+        *,
+        issuer: str | None = None,
+        audience: str | None = None,
+    ) -> None:
+        self._policy = JwtPolicy(secret, issuer or None, audience or None)
         self._max = max_entries
-        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def user(self, header: str | None) -> str:
         token = _bearer(header)
@@ -65,7 +113,7 @@ class TokenCache:
             if hit[1] > time.time():
                 return hit[0]
             del self._entries[token]
-        sub, exp = _verify(token, self._secret)
+        sub, exp = self._policy.verify(token)
         self._entries[token] = (sub, exp)
         if len(self._entries) > self._max:
             self._entries.popitem(last=False)
@@ -78,7 +126,21 @@ def require_admin(header: str | None, admin_token: str) -> None:
         raise errors.Unauthorized("Admin credentials required.")
 
 
-def mint_token(user_id: str, secret: str, ttl_s: int = TOKEN_TTL_S) -> str:
-    """A token for local use (``analysis-queue token USER``) and tests."""
+def mint_token(
+    user_id: str,
+    secret: str,
+    ttl_s: int = TOKEN_TTL_S,
+    *,
+    issuer: str | None = None,
+    audience: str | None = None,
+) -> str:
+    """A token for local use (``analysis-queue token USER``) and tests; it carries ``iss`` and
+    ``aud`` when given (the service requires them when ``AQ_JWT_ISSUER`` / ``AQ_JWT_AUDIENCE``
+    are set)."""
     now = int(time.time())
-    return jwt.encode({"sub": user_id, "iat": now, "exp": now + ttl_s}, secret, algorithm=ALGORITHM)
+    claims: dict[str, Any] = {"sub": user_id, "iat": now, "nbf": now, "exp": now + ttl_s}
+    if issuer:
+        claims["iss"] = issuer
+    if audience:
+        claims["aud"] = audience
+    return jwt.encode(claims, secret, algorithm=ALGORITHM)

@@ -56,7 +56,14 @@ def _token(args: argparse.Namespace) -> int:
     if args.admin:
         print(settings.admin_token)
     else:
-        print(mint_token(args.user, settings.jwt_secret, ttl_s=args.ttl))
+        token = mint_token(
+            args.user,
+            settings.jwt_secret,
+            ttl_s=args.ttl,
+            issuer=settings.jwt_issuer or None,
+            audience=settings.jwt_audience or None,
+        )
+        print(token)
     return 0
 
 

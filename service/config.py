@@ -39,6 +39,12 @@ class Settings(BaseSettings):
         default=None, description="URL Core calls back; default http://HOST:PORT."
     )
     jwt_secret: str = Field(default="", description="HS256 secret for user tokens.")
+    jwt_issuer: str = Field(
+        default="", description="When set, user tokens must carry this `iss` (and are minted so)."
+    )
+    jwt_audience: str = Field(
+        default="", description="When set, user tokens must carry this `aud` (and are minted so)."
+    )
     admin_token: str = Field(default="", description="Bearer token of admin calls.")
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)

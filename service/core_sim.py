@@ -126,6 +126,9 @@ def _is_http_url(value: str) -> bool:
     return parts.scheme.lower() in ("http", "https") and bool(parts.hostname)
 
 
+UNRESOLVABLE_DOI_PREFIX = "10.9999/"
+
+
 def _is_source(value: str) -> bool:
     return DOI_RE.fullmatch(value) is not None or _is_http_url(value)
 
@@ -150,6 +153,14 @@ def _check_thesis(title: str, document_url: str) -> None:
         )
 
 
+def _doi_resolves(value: str) -> bool:
+    """Core resolves every DOI it is given. The simulator's registry knows every registrant
+    except ``10.9999``, which stands for a DOI that does not resolve: a source that is
+    well-formed (so the service's edge lets it through) but that Core refuses."""
+    match = DOI_RE.fullmatch(value)
+    return match is None or UNRESOLVABLE_DOI_PREFIX not in value
+
+
 def _check_sources(sources: list[str]) -> None:
     if not sources:
         raise _Refusal("invalid_source", "no sources given")
@@ -161,6 +172,8 @@ def _check_sources(sources: list[str]) -> None:
                 "invalid_source",
                 f"source {index} {_shown(source)} is neither a DOI nor an http(s) URL",
             )
+        if not _doi_resolves(source):
+            raise _Refusal("invalid_source", f"source {index} {_shown(source)} does not resolve")
 
 
 def _parse_create(raw: bytes) -> dict[str, Any]:

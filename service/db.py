@@ -19,7 +19,7 @@ import asyncpg
 import orjson
 
 from . import errors
-from .models import Finish, Job, Reservation, StaleReservation
+from .models import Finish, Job, JobEvent, Reservation, StaleReservation
 from .sqlfiles import migrations, queries
 
 log = logging.getLogger(__name__)
@@ -326,6 +326,13 @@ class Database:
 
     # -- reads -------------------------------------------------------------------------------
 
+    async def open_job_counts(self) -> dict[str, int]:
+        return {r["status"]: int(r["n"]) for r in await self._fetch("job_open_counts")}
+
+    def pool_counts(self) -> tuple[int, int]:
+        """(connections, idle connections) of the pool."""
+        return self.pool.get_size(), self.pool.get_idle_size()
+
     async def get_job(self, job_id: UUID, user_id: str) -> Job | None:
         return _job_or_none(await self._fetchrow("job_get", job_id, user_id))
 
@@ -335,6 +342,25 @@ class Database:
     async def job_for_recheck(self, job_id: UUID, user_id: str) -> dict[str, Any] | None:
         row = await self._fetchrow("job_for_recheck", job_id, user_id)
         return dict(row) if row is not None else None
+
+    # -- the event log -----------------------------------------------------------------------
+
+    async def event_head(self, user_id: str) -> int:
+        """The id of the user's latest committed event; 0 if there is none."""
+        row = await self._fetchrow("job_event_head", user_id)
+        return int(row["last_id"])
+
+    async def events_after(self, user_id: str, after_id: int, limit: int) -> list[JobEvent]:
+        rows = await self._fetch("job_event_list_after", user_id, after_id, limit)
+        return [JobEvent(r["event_id"], r["kind"], r["event_at"], _job_or_none(r)) for r in rows]
+
+    async def queued_jobs(self, user_id: str) -> list[Job]:
+        """The user's queued jobs in queue order, with their positions."""
+        return [Job.from_row(r) for r in await self._fetch("job_list_queued", user_id)]
+
+    async def prune_events(self, retention_s: float, limit: int) -> int:
+        row = await self._fetchrow("job_event_prune", retention_s, limit)
+        return int(row["deleted"])
 
     # -- credits -----------------------------------------------------------------------------
 

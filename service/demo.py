@@ -43,7 +43,13 @@ async def run_demo(*, theses: int = 5, judge_time_s: float = 1.0) -> int:
     user = f"lecturer-{uuid.uuid4().hex[:6]}"
     db = runner.app[SERVICES].db
     await db.grant_credits(user, theses, "demo")
-    auth = {"Authorization": f"Bearer {mint_token(user, settings.jwt_secret)}"}
+    token = mint_token(
+        user,
+        settings.jwt_secret,
+        issuer=settings.jwt_issuer or None,
+        audience=settings.jwt_audience or None,
+    )
+    auth = {"Authorization": f"Bearer {token}"}
     started = time.perf_counter()
 
     def say(text: str) -> None:

@@ -121,6 +121,13 @@ class InvalidBody(AppError):
     status = 422
 
 
+class BadRequest(AppError):
+    """The request cannot be handled as sent."""
+
+    code = "bad_request"
+    status = 400
+
+
 class InsufficientCredits(AppError):
     """Not enough credits to start this analysis."""
 

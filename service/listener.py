@@ -48,11 +48,13 @@ class Listener:
         settings: ListenerSettings,
         *,
         on_connected: Callable[[], None] | None = None,
+        on_job_change: Callable[[str], None] | None = None,
     ) -> None:
         self.db = db
         self.dispatcher = dispatcher
         self.settings = settings
         self.on_connected = on_connected  # the app points this at the sweep's kick()
+        self.on_job_change = on_job_change  # the app points this at the event hub's notify()
         self._conn: ListenConnection | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -89,6 +91,8 @@ class Listener:
                 "unreadable notification", extra={"action": "notify", "payload": payload[:200]}
             )
             return
+        if self.on_job_change is not None:
+            self.on_job_change(user_id)  # event streams: schedules a read, never blocks
         new, old = event.get("new"), event.get("old")
         first_pass = not event.get("delta")
         frees_slot = (

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import re
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -11,6 +13,43 @@ import orjson
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+# GET /v1/events takes the user's JWT as ``?access_token=`` (EventSource cannot set headers).
+# None of our log calls carries a URL with a query; this keeps any that ever does (an access
+# log switched on, a library's message) from writing the token down.
+_ACCESS_TOKEN = re.compile(r"(access_token=)[^&\s\"'#]+")
+
+
+# The X-Request-ID of the request being handled (set by api.request_id_middleware), added to
+# every log line written while it runs, across awaits.
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "request_id", default=None
+)
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = request_id_var.get()
+        if request_id is not None and not hasattr(record, "request_id"):
+            record.request_id = request_id
+        return True
+
+
+def redact(text: str) -> str:
+    """``text`` with the value of every ``access_token=`` parameter replaced."""
+    return _ACCESS_TOKEN.sub(r"\1[redacted]", text)
+
+
+class RedactTokens(logging.Filter):
+    """Redacts query-string tokens from a record's message and string extras."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "access_token=" in message:
+            record.msg, record.args = redact(message), None
+        for key, value in _extras(record).items():
+            if isinstance(value, str) and "access_token=" in value:
+                setattr(record, key, redact(value))
+        return True
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
@@ -48,6 +87,8 @@ def configure(level: str = "INFO", *, json_lines: bool | None = None) -> None:
         json_lines = not sys.stderr.isatty()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if json_lines else HumanFormatter())
+    handler.addFilter(RequestIdFilter())
+    handler.addFilter(RedactTokens())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

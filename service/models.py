@@ -95,6 +95,17 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
+class JobEvent:
+    """One entry of a user's event log (ids per user, in commit order), with its job as it is
+    now; ``job`` is None if the job's row is gone."""
+
+    event_id: int
+    kind: str  # admitted | promoted | started | finished | cancelled | deleted | changed
+    created_at: datetime
+    job: Job | None
+
+
+@dataclass(frozen=True, slots=True)
 class Reservation:
     """The answer of ``reserve``: what to do with an admit before Core is called."""
 

@@ -13,6 +13,7 @@ from .core_client import CoreClient
 from .core_sim import CoreSimulator
 from .db import Database
 from .dispatch import Dispatcher
+from .hub import EventHub
 from .listener import Listener
 from .sweeper import Sweeper
 
@@ -27,6 +28,7 @@ class Services:
     sweeper: Sweeper
     listener: Listener | None
     tokens: TokenCache
+    events: EventHub
     simulator: CoreSimulator | None = None
     migrated: bool = False
     stopping: bool = False

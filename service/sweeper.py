@@ -5,7 +5,8 @@ One pass (``run_once``):
   1. promotes for users who have a queued job and no active first-pass job;
   2. hands pending jobs nobody is releasing (and whose retry is due) to the dispatcher;
   3. asks Core about running jobs not heard of for a while (a lost callback);
-  4. cancels held runs whose admit died (stale run reservations).
+  4. cancels held runs whose admit died (stale run reservations);
+  5. prunes event-stream events older than their retention.
 Every query reads the partial indexes of open work, so a pass costs what is open, not history.
 """
 
@@ -29,6 +30,7 @@ from .models import StaleReservation
 log = logging.getLogger(__name__)
 
 POLL_CONCURRENCY = 16  # Core status requests in flight at once during a sweep
+PRUNE_BATCHES = 10  # event-log deletes of ``batch`` rows at most per pass
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class SweepSettings:
     jitter: float = 0.2  # +-20% so instances do not sweep in lockstep
     running_quiet_s: float = 60.0  # poll Core for running jobs silent this long
     reservation_stale_s: float = 120.0  # a reservation older than this lost its admit
+    event_retention_s: float = 7 * 24 * 3600.0  # Last-Event-ID older than this: a snapshot
     batch: int = 1000
 
 
@@ -49,6 +52,7 @@ class SweepReport:
     polled: int = 0
     completed: int = 0
     reservations_cancelled: int = 0
+    events_pruned: int = 0
     duration_s: float = 0.0
 
 
@@ -70,7 +74,14 @@ class Sweeper:
     async def run_once(self) -> SweepReport:
         report = SweepReport()
         started = time.perf_counter()
-        for step in (self._promote, self._dispatch, self._poll_running, self._reservations):
+        steps = (
+            self._promote,
+            self._dispatch,
+            self._poll_running,
+            self._reservations,
+            self._prune_events,
+        )
+        for step in steps:
             try:
                 await step(report)
             except errors.DatabaseUnavailable:
@@ -161,6 +172,16 @@ class Sweeper:
                 report.reservations_cancelled += 1
             else:
                 await self.db.put_back_reservation(reservation)
+
+    async def _prune_events(self, report: SweepReport) -> None:
+        # Oldest first, a bounded batch at a time; what is left waits for the next pass.
+        for _ in range(PRUNE_BATCHES):
+            deleted = await self.db.prune_events(
+                self.settings.event_retention_s, self.settings.batch
+            )
+            report.events_pruned += deleted
+            if deleted < self.settings.batch:
+                return
 
     async def _cancel_orphan(self, r: StaleReservation) -> bool:
         """Cancel the held run of an admit that never finished; False to try again later."""

@@ -32,6 +32,12 @@ SELECT aq_credit_grant_v1($1, $2, $3) AS balance;
 -- A user's balance: $1 user.
 SELECT coalesce((SELECT balance FROM credit_accounts WHERE user_id = $1), 0) AS balance;
 
+-- job_open_counts --
+-- Open jobs by status, for metrics: reads only the partial indexes of open work.
+SELECT 'queued' AS status, count(*) AS n FROM analysis_jobs WHERE status = 'queued'
+UNION ALL
+SELECT status, count(*) FROM analysis_jobs WHERE status IN ('pending', 'running') GROUP BY status;
+
 -- job_get --
 -- One job of one user, with its queue position: $1 job id, $2 user.
 SELECT j.*,
@@ -162,3 +168,42 @@ UPDATE core_run_reservations SET idempotency_key = NULL, request_hash = NULL WHE
 -- migrations_applied --
 -- Versions of the applied migrations.
 SELECT version FROM aq_schema_migrations ORDER BY version;
+
+-- job_event_head --
+-- The id of a user's latest event (0 if none): $1 user.
+SELECT coalesce((SELECT last_id FROM job_event_counters WHERE user_id = $1), 0) AS last_id;
+
+-- job_event_list_after --
+-- A user's events after an event id, oldest first, each with its job as it is now and, when
+-- queued, its position: $1 user, $2 after this event id, $3 limit. The job columns are NULL
+-- if the job row is gone.
+SELECT e.event_id, e.kind, e.created_at AS event_at, j.*, p.queue_position
+  FROM job_events e
+  LEFT JOIN analysis_jobs j ON j.id = e.job_id
+  LEFT JOIN (SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
+               FROM analysis_jobs q
+              WHERE q.user_id = $1 AND q.status = 'queued') p ON p.id = e.job_id
+ WHERE e.user_id = $1 AND e.event_id > $2
+ ORDER BY e.event_id
+ LIMIT $3;
+
+-- job_event_prune --
+-- Delete events older than $1 seconds, oldest first, at most $2. -> deleted
+WITH old AS (
+    SELECT user_id, event_id FROM job_events
+     WHERE created_at < clock_timestamp() - make_interval(secs => $1)
+     ORDER BY created_at
+     LIMIT $2
+), gone AS (
+    DELETE FROM job_events e USING old
+     WHERE e.user_id = old.user_id AND e.event_id = old.event_id
+    RETURNING 1
+)
+SELECT count(*) AS deleted FROM gone;
+
+-- job_list_queued --
+-- A user's queued first-pass jobs in queue order, with their positions: $1 user.
+SELECT j.*, row_number() OVER (ORDER BY j.queue_seq) AS queue_position
+  FROM analysis_jobs j
+ WHERE j.user_id = $1 AND j.status = 'queued'
+ ORDER BY j.queue_seq;

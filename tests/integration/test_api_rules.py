@@ -147,9 +147,15 @@ async def _quiet_instance(h: Harness, **overrides: Any) -> Instance:
 # -- 1. refusals at admit ---------------------------------------------------------------------
 
 
+# The edge (service.schemas) refuses a source that is not a DOI or an http(s) URL before Core is
+# asked, so Core's own refusal needs a well-formed source Core does not accept: a DOI that does
+# not resolve (the simulator's registry knows no 10.9999 registrant).
+UNKNOWN_DOI = "10.9999/unknown-to-core"
+
+
 def _invalid_source() -> dict[str, Any]:
     body = thesis_body(1)
-    body["sources"] = ["10.1000/ok.1", "not a doi"]
+    body["sources"] = ["10.1000/ok.1", UNKNOWN_DOI]
     return body
 
 
@@ -169,7 +175,11 @@ def _unparseable_thesis() -> dict[str, Any]:
     ids=["invalid_source", "unparseable_thesis", "provider_budget"],
 )
 async def test_core_refusal_at_admit_is_synchronous_and_leaves_nothing(
-    harness: Harness, make_body: Any, budget_runs: int | None, status: int, code: str
+    harness: Harness,
+    make_body: Any,
+    budget_runs: int | None,
+    status: int,
+    code: str,
 ) -> None:
     h = harness
     await _quiet_instance(h)

@@ -98,3 +98,28 @@ async def test_two_instances_share_the_queue_in_fifo_order(harness: Harness) -> 
     await check_invariants(h.database_url)
     released = a.services.dispatcher.released + b.services.dispatcher.released
     assert released == 48, "each held run released exactly once across both instances"
+
+
+async def test_metrics_show_open_jobs_and_promotions(harness: Harness) -> None:
+    h = harness
+    h.sim.judge_time_s = 60
+    inst = await h.start_instance()
+    await h.grant("u", 3)
+    for n in range(3):
+        await h.admit("u", n)
+
+    async def running() -> bool:
+        return bool(
+            await fetchval(
+                h.database_url, "SELECT count(*) = 1 FROM analysis_jobs WHERE status='running'"
+            )
+        )
+
+    await wait_for(running, what="one running")
+    async with h.http.get(f"{inst.base_url}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    assert 'aq_jobs{status="queued"} 2.0' in text
+    assert 'aq_jobs{status="running"} 1.0' in text
+    assert 'aq_admits_total{outcome="admitted"} 3.0' in text
+    assert 'aq_release_attempts_total{outcome="released"} 1.0' in text

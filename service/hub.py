@@ -1,0 +1,354 @@
+"""The event hub: one instance's in-process fan-out of job events to its stream subscribers.
+
+The instance's one LISTEN connection (``listener.py``) calls :meth:`EventHub.notify` with the
+user id of every job change, committed through any instance. The hub keeps a *feed* for each
+user who has subscribers here: a cursor (the last event id it fanned out). A wake-up reads that
+user's events after the cursor from the database once, encodes each as a Server-Sent Events
+frame once, and offers the frames to each of the user's subscribers. NOTIFY is only the
+wake-up; the events come from ``job_events``, whose per-user ids follow commit order, so "after
+the cursor" misses nothing. A reconnecting listener and a slow periodic resync catch up on
+notifications that were lost.
+
+Back-pressure: each subscriber has a bounded buffer. One that is full is dropped (its
+connection aborted; the client reconnects with ``Last-Event-ID`` and misses nothing), so a slow
+reader never slows the listener, promotion or another subscriber. ``notify`` only schedules;
+database reads are pooled and bounded by a semaphore; no connection is held per subscriber.
+
+"Position changed": a job leaving a user's queue (promoted, cancelled, deleted) moves the
+user's other queued jobs up. These moves are not stored: after a batch holding such an event
+the hub reads the user's queued jobs and sends a ``position`` frame, without an id, for each
+job whose position differs from what the feed last sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import orjson
+
+from . import errors
+from .db import Database
+from .metrics import Metrics
+from .models import Job, JobEvent
+
+log = logging.getLogger(__name__)
+
+# Kinds after which the user's other queued jobs may have moved up.
+QUEUE_LEAVING_KINDS = frozenset({"promoted", "cancelled", "deleted", "changed"})
+HEARTBEAT = b": keepalive\n\n"
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """Buffers and timings of the event streams."""
+
+    buffer_frames: int = 256  # per subscriber; a batch offered to a full one drops it
+    heartbeat_s: float = 15.0  # an SSE comment on an idle stream; also finds gone clients
+    write_timeout_s: float = 10.0  # a write that cannot drain this long drops the subscriber
+    resync_s: float = 15.0  # re-read every feed this often, in case a NOTIFY was lost
+    page: int = 500  # events per database read
+    read_concurrency: int = 4  # database reads in flight for the hub and stream replays
+    retry_ms: int = 2000  # the reconnect delay the stream asks EventSource for
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One encoded SSE event. ``event_id`` is None for frames that are not stored events."""
+
+    event_id: int | None
+    data: bytes
+
+
+_CLOSED = Frame(None, b"")  # wakes a reader whose subscription was closed
+
+
+def encode(event_type: str, payload: dict[str, Any], event_id: int | None = None) -> bytes:
+    """An SSE frame. orjson escapes control characters, so ``data`` is one line."""
+    head = b"id: %d\n" % event_id if event_id is not None else b""
+    return head + b"event: " + event_type.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def event_frame(event: JobEvent) -> Frame:
+    payload = {
+        "id": event.event_id,
+        "kind": event.kind,
+        "at": event.created_at.isoformat(),
+        "job": event.job.to_json() if event.job is not None else None,
+    }
+    return Frame(event.event_id, encode(event.kind, payload, event.event_id))
+
+
+def position_frame(job: Job) -> Frame:
+    payload = {
+        "id": None,
+        "kind": "position",
+        "at": datetime.now(UTC).isoformat(),
+        "job": job.to_json(),
+    }
+    return Frame(None, encode("position", payload))
+
+
+def snapshot_frame(head: int, jobs: Iterable[Job]) -> Frame:
+    payload = {
+        "id": head,
+        "kind": "snapshot",
+        "at": datetime.now(UTC).isoformat(),
+        "analyses": [j.to_json() for j in jobs],
+    }
+    return Frame(head, encode("snapshot", payload, head))
+
+
+class Subscription:
+    """One open stream's buffer. The hub offers frames; the stream takes them."""
+
+    def __init__(self, user_id: str, buffer_frames: int) -> None:
+        self.user_id = user_id
+        self._limit = buffer_frames
+        self._queue: asyncio.Queue[Frame] = asyncio.Queue()
+        self.closed = False
+        self.reason: str | None = None
+        self.writing = False  # the stream is inside a write to its client
+        self.on_abort: Callable[[], None] | None = None  # the stream aborts its connection
+
+    def offer(self, frames: list[Frame]) -> bool:
+        """Buffer a batch; False if the buffer is already full (the reader is not keeping up).
+        The buffer thus never holds more than ``buffer_frames`` plus one batch."""
+        if self.closed:
+            return True
+        if self._queue.qsize() >= self._limit:
+            return False
+        for frame in frames:
+            self._queue.put_nowait(frame)
+        return True
+
+    def close(self, reason: str) -> None:
+        """Wake the reader and let it end its stream. A reader that is stuck in a write (its
+        client does not read) or that overflowed has its connection aborted."""
+        if self.closed:
+            return
+        self.closed = True
+        self.reason = reason
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(_CLOSED)
+        if (reason == "overflow" or self.writing) and self.on_abort is not None:
+            self.on_abort()
+
+    async def next(self, timeout_s: float) -> list[Frame] | None:
+        """Every frame buffered now, waiting up to ``timeout_s`` for the first; ``[]`` on a
+        timeout; None once the subscription is closed."""
+        if self.closed:
+            return None
+        try:
+            first = await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
+            return None if self.closed else []
+        frames = [first]
+        while not self._queue.empty():
+            frames.append(self._queue.get_nowait())
+        if self.closed or any(f is _CLOSED for f in frames):
+            return None
+        return frames
+
+
+class _Feed:
+    """One user's subscribers on this instance and what the hub sent them."""
+
+    def __init__(self, user_id: str) -> None:
+        self.user_id = user_id
+        self.subs: set[Subscription] = set()
+        self.cursor: int | None = None  # last event id fanned out; None until read
+        self.ready: asyncio.Future[None] | None = None
+        self.dirty = False
+        self.pumping = False
+        self.positions: dict[UUID, int | None] = {}
+
+
+class EventHub:
+    """``await subscribe(user)`` / ``unsubscribe(sub)``; ``notify(user)`` from the listener."""
+
+    def __init__(self, db: Database, settings: HubSettings, metrics: Metrics | None = None) -> None:
+        self.db = db
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self._feeds: dict[str, _Feed] = {}
+        self._reads = asyncio.Semaphore(settings.read_concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._resync_task: asyncio.Task[None] | None = None
+        self.closed = False
+        self._count = 0  # subscribers across feeds
+        self.dropped = 0  # subscribers dropped for a full buffer (tests, logs)
+        self.batches = 0  # database reads that fanned something out
+
+    # -- subscribers ------------------------------------------------------------------------
+
+    @property
+    def subscribers(self) -> int:
+        return self._count
+
+    async def subscribe(self, user_id: str) -> Subscription:
+        """Register a subscriber. Returns once the user's feed knows its cursor: every event
+        committed after that is offered to the subscriber; everything before it is in the
+        database for the stream's replay or snapshot, which it reads after this returns."""
+        if self.closed:
+            raise errors.ShuttingDown()
+        sub = Subscription(user_id, self.settings.buffer_frames)
+        feed = self._feeds.get(user_id)
+        if feed is None:
+            feed = self._feeds[user_id] = _Feed(user_id)
+            feed.ready = asyncio.ensure_future(self._init_feed(feed))
+            # Retrieved here so a failure no subscriber awaits is not reported as lost.
+            feed.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        feed.subs.add(sub)
+        self._count += 1
+        self._gauge()
+        assert feed.ready is not None
+        try:
+            await asyncio.shield(feed.ready)
+        except BaseException:
+            self.unsubscribe(sub)
+            raise
+        return sub
+
+    async def _init_feed(self, feed: _Feed) -> None:
+        async with self._reads:
+            feed.cursor = await self.db.event_head(feed.user_id)
+        if feed.dirty:
+            self._pump_soon(feed)
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        feed = self._feeds.get(sub.user_id)
+        if feed is not None and sub in feed.subs:
+            feed.subs.discard(sub)
+            if not feed.subs:
+                del self._feeds[sub.user_id]
+            self._count -= 1
+            self._gauge()
+
+    def _drop(self, sub: Subscription) -> None:
+        self.unsubscribe(sub)
+        self.dropped += 1
+        sub.close("overflow")
+        log.warning(
+            "event subscriber dropped: buffer full",
+            extra={"action": "events_drop", "user_id": sub.user_id},
+        )
+
+    def _gauge(self) -> None:
+        self.metrics.event_subscribers.set(self._count)
+
+    # -- wake-ups ---------------------------------------------------------------------------
+
+    def notify(self, user_id: str) -> None:
+        """A job of ``user_id`` changed (a NOTIFY). Never blocks; a no-op without subscribers."""
+        feed = self._feeds.get(user_id)
+        if feed is None:
+            return
+        feed.dirty = True
+        if feed.cursor is not None:
+            self._pump_soon(feed)  # else _init_feed pumps once the cursor is known
+
+    def wake_all(self) -> None:
+        """Re-read every feed (after the listener reconnected: notifications were lost)."""
+        for user_id in list(self._feeds):
+            self.notify(user_id)
+
+    def _pump_soon(self, feed: _Feed) -> None:
+        if feed.pumping or self.closed:
+            return
+        feed.pumping = True
+        task = asyncio.create_task(self._pump(feed), name="events-pump")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _pump(self, feed: _Feed) -> None:
+        try:
+            while feed.dirty and not self.closed and self._feeds.get(feed.user_id) is feed:
+                feed.dirty = False
+                await self._pump_once(feed)
+        except errors.DatabaseUnavailable:
+            feed.dirty = True  # the next notification or resync tries again
+            log.warning(
+                "events: database unavailable",
+                extra={"action": "events_read", "user_id": feed.user_id},
+            )
+        except Exception:
+            feed.dirty = True
+            log.exception(
+                "events: read failed", extra={"action": "events_read", "user_id": feed.user_id}
+            )
+        finally:
+            feed.pumping = False
+
+    async def _pump_once(self, feed: _Feed) -> None:
+        assert feed.cursor is not None
+        async with self._reads:
+            events = await self.db.events_after(feed.user_id, feed.cursor, self.settings.page)
+        if len(events) == self.settings.page:
+            feed.dirty = True  # more to read
+        if not events:
+            return
+        feed.cursor = events[-1].event_id
+        frames = [event_frame(e) for e in events]
+        for event in events:
+            if event.job is not None:
+                feed.positions[event.job.id] = event.job.queue_position
+        if any(e.kind in QUEUE_LEAVING_KINDS for e in events):
+            async with self._reads:
+                queued = await self.db.queued_jobs(feed.user_id)
+            frames.extend(self._moved(feed, queued))
+        self.batches += 1
+        for sub in list(feed.subs):
+            if not sub.offer(frames):
+                self._drop(sub)
+
+    @staticmethod
+    def _moved(feed: _Feed, queued: list[Job]) -> list[Frame]:
+        moved = [position_frame(j) for j in queued if feed.positions.get(j.id) != j.queue_position]
+        feed.positions = {j.id: j.queue_position for j in queued}
+        return moved
+
+    # -- reads for the streams (bounded like the hub's own) ---------------------------------
+
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[Database]:
+        """The database, within the hub's read concurrency."""
+        async with self._reads:
+            yield self.db
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.settings.resync_s > 0 and (self._resync_task is None or self._resync_task.done()):
+            self._resync_task = asyncio.create_task(self._resync(), name="events-resync")
+
+    async def _resync(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(self.settings.resync_s)
+            self.wake_all()
+
+    def close(self) -> None:
+        """Stop taking subscribers and wake every open stream so that it ends now (shutdown
+        would otherwise wait for them until its timeout)."""
+        self.closed = True
+        for feed in list(self._feeds.values()):
+            for sub in list(feed.subs):
+                sub.close("shutdown")
+
+    async def stop(self) -> None:
+        self.close()
+        tasks = set(self._tasks)
+        if self._resync_task is not None:
+            tasks.add(self._resync_task)
+            self._resync_task = None
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)

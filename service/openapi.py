@@ -1,0 +1,596 @@
+"""The OpenAPI 3.1 document, served at ``GET /openapi.json``.
+
+Generated, not kept by hand in a file: the paths and methods come from the routes the
+application has really registered, the request bodies from the pydantic models
+(``model_json_schema``), and only what code cannot tell is written here, per operation: its
+summary, security, parameters and responses, and the schemas of the responses. A registered
+route without an entry in ``OPERATIONS``, or an entry without a route, is an error when the
+document is built, so the document cannot drift from the router.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import orjson
+import pydantic
+from aiohttp import web
+
+from . import api, schemas
+from .auth import MAX_USER_ID_LEN
+from .core_client import CALLBACK_WINDOW_S
+
+OPENAPI_VERSION = "3.1.0"
+# Methods aiohttp answers without a route of their own (HEAD for every GET).
+IMPLICIT_METHODS = frozenset({"HEAD"})
+REQUEST_MODELS: tuple[type[pydantic.BaseModel], ...] = (
+    schemas.AnalysisRequest,
+    schemas.RecheckRequest,
+    schemas.CreditGrant,
+)
+
+routes = web.RouteTableDef()
+
+RouteKey = tuple[str, str]  # (METHOD, path template)
+
+
+class DocumentError(RuntimeError):
+    """The routes and the operations described here disagree."""
+
+
+# -- response schemas (hand-written: they are what ``Job.to_json`` and the handlers build) ----
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_TIMESTAMP = {"type": "string", "format": "date-time"}
+_UUID = {"type": "string", "format": "uuid"}
+
+RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
+    "Job": {
+        "type": "object",
+        "description": "An analysis job as the API shows it.",
+        "additionalProperties": False,
+        "required": [
+            "id",
+            "run_id",
+            "status",
+            "queue_position",
+            "delta_of",
+            "thesis",
+            "sources",
+            "created_at",
+            "promoted_at",
+            "started_at",
+            "finished_at",
+            "error",
+            "verdicts",
+        ],
+        "properties": {
+            "id": _UUID,
+            "run_id": _UUID,
+            "status": {
+                "type": "string",
+                "enum": ["queued", "pending", "running", "succeeded", "failed", "cancelled"],
+            },
+            "queue_position": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "description": "1 = next; null unless queued.",
+            },
+            "delta_of": {**_nullable(_UUID), "description": "The job a re-check re-checks."},
+            "thesis": {
+                "type": "object",
+                "required": ["title", "document_url"],
+                "properties": {
+                    "title": {"type": "string"},
+                    "document_url": {"type": "string"},
+                },
+            },
+            "sources": {"type": "array", "items": {"type": "string"}},
+            "created_at": _TIMESTAMP,
+            "promoted_at": _nullable(_TIMESTAMP),
+            "started_at": _nullable(_TIMESTAMP),
+            "finished_at": _nullable(_TIMESTAMP),
+            "error": _nullable(
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["code", "detail"],
+                    "properties": {
+                        "code": {"type": "string"},
+                        "detail": {"type": ["string", "null"]},
+                    },
+                }
+            ),
+            "verdicts": {"type": ["array", "null"], "items": _ref("Verdict")},
+        },
+    },
+    "Verdict": {
+        "type": "object",
+        "required": ["source", "verdict"],
+        "properties": {"source": {"type": "string"}, "verdict": {"type": "string"}},
+    },
+    "JobList": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["analyses"],
+        "properties": {"analyses": {"type": "array", "items": _ref("Job")}},
+    },
+    "Problem": {
+        "type": "object",
+        "description": "RFC 9457 problem details, with a stable machine-readable `code`.",
+        "required": ["type", "title", "status", "detail", "code"],
+        "properties": {
+            "type": {"type": "string", "format": "uri"},
+            "title": {"type": "string"},
+            "status": {"type": "integer", "minimum": 400, "maximum": 599},
+            "detail": {"type": "string"},
+            "code": {"type": "string"},
+            "instance": {"type": "string"},
+            "errors": {
+                "type": "array",
+                "description": "422 invalid_body: each offending field and what is wrong.",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["field", "message"],
+                    "properties": {"field": {"type": "string"}, "message": {"type": "string"}},
+                },
+            },
+        },
+    },
+    "Credits": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["balance"],
+        "properties": {"balance": {"type": "integer", "minimum": 0}},
+    },
+    "CreditGrantResult": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["user_id", "balance"],
+        "properties": {
+            "user_id": {"type": "string", "maxLength": MAX_USER_ID_LEN},
+            "balance": {"type": "integer", "minimum": 0},
+        },
+    },
+    "CoreEvent": {
+        "type": "object",
+        "description": "A run as Core reports it when the run ends.",
+        "required": ["id", "state"],
+        "properties": {
+            "id": {"type": "string", "minLength": 1, "description": "Core's run id."},
+            "state": {
+                "type": "string",
+                "minLength": 1,
+                "examples": ["completed", "failed", "cancelled"],
+            },
+            "verdicts": {"type": ["array", "null"], "items": _ref("Verdict")},
+            "error": {"type": ["string", "null"]},
+        },
+    },
+    "CoreEventOutcome": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["outcome"],
+        "properties": {
+            "outcome": {
+                "type": "string",
+                "examples": ["applied", "duplicate", "unknown_run", "not_finished"],
+            }
+        },
+    },
+    "Health": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["status"],
+        "properties": {"status": {"type": "string", "enum": ["ok"]}},
+    },
+    "Readiness": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["status", "checks"],
+        "properties": {
+            "status": {"type": "string", "enum": ["ready", "not_ready"]},
+            "checks": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["database", "listener", "migrations"],
+                "properties": {
+                    "database": {"type": "boolean"},
+                    "listener": {"type": "boolean"},
+                    "migrations": {"type": "boolean"},
+                },
+            },
+        },
+    },
+}
+
+SECURITY_SCHEMES: dict[str, dict[str, Any]] = {
+    "userJwt": {
+        "type": "http",
+        "scheme": "bearer",
+        "bearerFormat": "JWT",
+        "description": "HS256, `sub` = user id, `exp` required; `iss` / `aud` required when "
+        "`AQ_JWT_ISSUER` / `AQ_JWT_AUDIENCE` are set. `analysis-queue token USER` prints one.",
+    },
+    "adminToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The opaque `AQ_ADMIN_TOKEN` (`analysis-queue token --admin`).",
+    },
+}
+
+# -- operations -----------------------------------------------------------------------------
+
+_JOB_ID = {
+    "name": "job_id",
+    "in": "path",
+    "required": True,
+    "description": "The job's id. Not a UUID, unknown, deleted or another user's: 404.",
+    "schema": _UUID,
+}
+_IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "description": "Replays the job admitted with the same key and body (`Idempotent-Replayed: "
+    "true`); the same key with another body is 409 idempotency_key_reused.",
+    "schema": {"type": "string", "minLength": 1, "maxLength": api.MAX_IDEMPOTENCY_KEY_LEN},
+}
+_CORE_HEADERS = [
+    {
+        "name": "X-Core-Timestamp",
+        "in": "header",
+        "required": True,
+        "description": "Unix seconds when Core sent the callback; refused when more than "
+        f"{int(CALLBACK_WINDOW_S)} s away from now (replay window).",
+        "schema": {"type": "string", "pattern": "^[0-9]{1,12}$"},
+    },
+    {
+        "name": "X-Core-Signature",
+        "in": "header",
+        "required": True,
+        "description": '`sha256=` + hex HMAC-SHA256 of `"<timestamp>.<raw body>"` under '
+        "`AQ_CORE_CALLBACK_SECRET`.",
+        "schema": {"type": "string", "pattern": "^sha256=[0-9a-f]{64}$"},
+    },
+]
+
+# What each problem status means, per operation kind; the codes are the stable `code` values.
+_PROBLEMS: dict[int, str] = {
+    400: "malformed_request: the body is not JSON (or not UTF-8).",
+    401: "unauthorized: missing, invalid or expired credentials.",
+    402: "insufficient_credits.",
+    404: "not_found.",
+    409: "A conflict; see `code`.",
+    413: "payload_too_large: the body exceeds 1 MiB.",
+    415: "unsupported_media_type: the body must be application/json (UTF-8).",
+    422: "invalid_body (with `errors`), or Core's refusal: invalid_source, unparseable_thesis.",
+    429: "provider_budget_exhausted: try again later.",
+    502: "core_run_gone.",
+    503: "core_unavailable, database_unavailable or shutting_down: try again shortly.",
+}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """What the router cannot tell about one route."""
+
+    operation_id: str
+    summary: str
+    # success status -> a JSON response's schema name, or the media type(s) of a text answer
+    ok: dict[int, str]
+    problems: tuple[int, ...]
+    security: str | None = "userJwt"
+    body: type[pydantic.BaseModel] | str | None = None  # a request model or a schema name
+    parameters: tuple[dict[str, Any], ...] = ()
+    ok_headers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    description: str = ""
+    tag: str = "analyses"
+
+
+_CREATED_HEADERS = {
+    "Location": {
+        "required": True,
+        "description": "The new job's URL.",
+        "schema": {"type": "string"},
+    },
+}
+
+OPERATIONS: dict[RouteKey, Operation] = {
+    ("POST", "/v1/analyses"): Operation(
+        "createAnalysis",
+        "Admit an analysis: debit, create a held run in Core, queue it",
+        {201: "Job"},
+        (400, 401, 402, 409, 413, 415, 422, 429, 503),
+        body=schemas.AnalysisRequest,
+        parameters=(_IDEMPOTENCY_KEY,),
+        ok_headers={
+            **_CREATED_HEADERS,
+            "Idempotent-Replayed": {
+                "required": False,
+                "description": "`true` when this answer replays an earlier admit.",
+                "schema": {"type": "string", "enum": ["true"]},
+            },
+        },
+        description="Each click is admitted at once or refused synchronously; admitted jobs "
+        "run one at a time per user, in admission order.",
+    ),
+    ("GET", "/v1/analyses"): Operation(
+        "listAnalyses", "The caller's jobs, newest first", {200: "JobList"}, (401, 503)
+    ),
+    ("GET", "/v1/analyses/{job_id}"): Operation(
+        "getAnalysis",
+        "One of the caller's jobs",
+        {200: "Job"},
+        (401, 404, 503),
+        parameters=(_JOB_ID,),
+    ),
+    ("DELETE", "/v1/analyses/{job_id}"): Operation(
+        "deleteAnalysis",
+        "Soft-delete a job: cancel (and refund) what has not run, cancel a running one in Core",
+        {200: "Job"},
+        (401, 404, 503),
+        parameters=(_JOB_ID,),
+    ),
+    ("POST", "/v1/analyses/{job_id}/rechecks"): Operation(
+        "createRecheck",
+        "Re-check a succeeded job against new sources (never queued)",
+        {201: "Job"},
+        (400, 401, 402, 404, 409, 413, 415, 422, 429, 503),
+        body=schemas.RecheckRequest,
+        parameters=(_JOB_ID,),
+        ok_headers=_CREATED_HEADERS,
+    ),
+    ("GET", "/v1/credits"): Operation(
+        "getCredits", "The caller's credit balance", {200: "Credits"}, (401, 503), tag="credits"
+    ),
+    ("POST", "/v1/admin/credits"): Operation(
+        "grantCredits",
+        "Grant credits to a user (admin)",
+        {200: "CreditGrantResult"},
+        (400, 401, 413, 415, 422, 503),
+        security="adminToken",
+        body=schemas.CreditGrant,
+        tag="credits",
+    ),
+    ("POST", "/v1/core/events"): Operation(
+        "coreEvent",
+        "Core's signed callback when a run ends",
+        {200: "CoreEventOutcome"},
+        (400, 401, 413, 503),
+        security=None,
+        body="CoreEvent",
+        parameters=tuple(_CORE_HEADERS),
+        description="Core is trusted only through this signature: an unsigned, wrongly signed "
+        f"or stale (more than {int(CALLBACK_WINDOW_S)} s) callback is 401 invalid_signature. "
+        "Events are idempotent; an unknown run is acknowledged (200 unknown_run).",
+        tag="core",
+    ),
+    ("GET", "/metrics"): Operation(
+        "metrics",
+        "Prometheus metrics of this instance (open jobs from the database, counters since start)",
+        {200: "text/plain"},
+        (),
+        security=None,
+        tag="health",
+    ),
+    ("GET", "/healthz"): Operation(
+        "healthz", "Liveness", {200: "Health"}, (), security=None, tag="health"
+    ),
+    ("GET", "/readyz"): Operation(
+        "readyz",
+        "Readiness: database reachable, LISTEN connection up, migrations applied",
+        {200: "Readiness", 503: "Readiness"},
+        (),
+        security=None,
+        tag="health",
+    ),
+    ("GET", "/v1/events"): Operation(
+        "eventStream",
+        "The caller's job changes as Server-Sent Events",
+        {200: "text/event-stream"},
+        (401, 503),
+        parameters=(
+            {
+                "name": "Last-Event-ID",
+                "in": "header",
+                "required": False,
+                "description": "Resume after this event id; absent, unknown or pruned: a "
+                "snapshot frame first.",
+                "schema": {"type": "string"},
+            },
+            {
+                "name": "last_event_id",
+                "in": "query",
+                "required": False,
+                "description": "The same, for clients that cannot set headers.",
+                "schema": {"type": "string"},
+            },
+            {
+                "name": "access_token",
+                "in": "query",
+                "required": False,
+                "description": "The Bearer JWT, for EventSource (which cannot set headers); "
+                "accepted on this route only.",
+                "schema": {"type": "string"},
+            },
+        ),
+        description="A stream that does not end: `snapshot`, job and `position` frames, and "
+        "heartbeats.",
+        tag="events",
+    ),
+    ("GET", "/"): Operation(
+        "dashboard", "The dashboard page", {200: "text/html"}, (), security=None, tag="dashboard"
+    ),
+    ("GET", "/static/{name}"): Operation(
+        "dashboardFile",
+        "The dashboard's script and style sheet",
+        {200: "text/javascript, text/css"},
+        (404,),
+        security=None,
+        parameters=(
+            {
+                "name": "name",
+                "in": "path",
+                "required": True,
+                "schema": {"type": "string"},
+                "description": "`app.js` or `app.css`; anything else is 404.",
+            },
+        ),
+        tag="dashboard",
+    ),
+    ("GET", "/openapi.json"): Operation(
+        "openapi", "This document", {200: "OpenApiDocument"}, (), security=None, tag="meta"
+    ),
+}
+
+
+# -- building -------------------------------------------------------------------------------
+
+
+def route_keys(app: web.Application) -> tuple[RouteKey, ...]:
+    """(METHOD, path template) of every route registered in ``app``, implicit HEADs aside."""
+    keys = {
+        (route.method, route.resource.canonical)
+        for route in app.router.routes()
+        if route.resource is not None and route.method not in IMPLICIT_METHODS
+    }
+    return tuple(sorted(keys))
+
+
+def _request_schemas() -> dict[str, dict[str, Any]]:
+    """The request models' JSON schemas, their nested models hoisted into components."""
+    components: dict[str, dict[str, Any]] = {}
+    for model in REQUEST_MODELS:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[model.__name__] = schema
+    return components
+
+
+def _problem_response(status: int) -> dict[str, Any]:
+    response: dict[str, Any] = {
+        "description": _PROBLEMS[status],
+        "content": {"application/problem+json": {"schema": _ref("Problem")}},
+    }
+    if status == 401:
+        response["headers"] = {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}}
+    return response
+
+
+def _operation(key: RouteKey, op: Operation) -> dict[str, Any]:
+    responses: dict[str, Any] = {}
+    for status, answer in op.ok.items():
+        content = (
+            {media.strip(): {"schema": {"type": "string"}} for media in answer.split(",")}
+            if "/" in answer
+            else {"application/json": {"schema": _ref(answer)}}
+        )
+        response: dict[str, Any] = {
+            "description": op.summary if status < 400 else "Not ready; see `checks`.",
+            "content": content,
+        }
+        if op.ok_headers and status < 400:
+            response["headers"] = op.ok_headers
+        responses[str(status)] = response
+    for status in op.problems:
+        responses[str(status)] = _problem_response(status)
+    spec: dict[str, Any] = {
+        "operationId": op.operation_id,
+        "summary": op.summary,
+        "tags": [op.tag],
+        "security": [{op.security: []}] if op.security else [],
+        "responses": responses,
+    }
+    if op.description:
+        spec["description"] = op.description
+    if op.parameters:
+        spec["parameters"] = list(op.parameters)
+    if op.body is not None:
+        name = op.body if isinstance(op.body, str) else op.body.__name__
+        spec["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(name)}},
+        }
+    missing = [p for p in _path_params(key[1]) if p not in {q["name"] for q in op.parameters}]
+    if missing:
+        raise DocumentError(f"{key[0]} {key[1]}: path parameters {missing} are not described")
+    return spec
+
+
+def _path_params(path: str) -> list[str]:
+    return [part[1:-1] for part in path.split("/") if part.startswith("{") and part.endswith("}")]
+
+
+def _version() -> str:
+    try:
+        return metadata.version("analysis-queue")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0.0.0"
+
+
+def build_document(keys: Iterable[RouteKey]) -> dict[str, Any]:
+    """The OpenAPI document of exactly these routes. Raises :class:`DocumentError` if a route is
+    not described in ``OPERATIONS`` or a description has no route."""
+    return _build(tuple(sorted(set(keys))))
+
+
+@functools.cache
+def _serialized(keys: tuple[RouteKey, ...]) -> bytes:
+    """What ``GET /openapi.json`` sends: built once per set of routes."""
+    return orjson.dumps(_build(keys))
+
+
+def _build(keys: tuple[RouteKey, ...]) -> dict[str, Any]:
+    undocumented = [k for k in keys if k not in OPERATIONS]
+    unrouted = [k for k in OPERATIONS if k not in keys]
+    if undocumented or unrouted:
+        raise DocumentError(
+            f"routes without an OpenAPI description: {undocumented}; "
+            f"descriptions without a route: {unrouted}"
+        )
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path in keys:
+        paths.setdefault(path, {})[method.lower()] = _operation(
+            (method, path), OPERATIONS[(method, path)]
+        )
+    component_schemas = {
+        **_request_schemas(),
+        **RESPONSE_SCHEMAS,
+        "OpenApiDocument": {"type": "object", "required": ["openapi", "info", "paths"]},
+    }
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "analysis-queue",
+            "version": _version(),
+            "description": "A per-user analysis queue: every click is admitted or refused at "
+            "once, admitted analyses run one at a time per user in admission order. Errors are "
+            "application/problem+json with a stable `code`.",
+        },
+        "tags": [
+            {"name": name}
+            for name in ("analyses", "events", "credits", "core", "health", "dashboard", "meta")
+        ],
+        "paths": paths,
+        "components": {"schemas": component_schemas, "securitySchemes": SECURITY_SCHEMES},
+    }
+
+
+@routes.get("/openapi.json")
+async def openapi_json(request: web.Request) -> web.Response:
+    """Built from this application's router on first use, then served from memory."""
+    return web.Response(body=_serialized(route_keys(request.app)), content_type="application/json")

@@ -1,0 +1,48 @@
+"""AQ_JWT_ISSUER / AQ_JWT_AUDIENCE reach the running service: tokens must carry them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from support import JWT_SECRET, Harness
+
+from service.auth import mint_token
+
+ISSUER = "https://idp.uni.example"
+AUDIENCE = "analysis-queue"
+
+
+@pytest.mark.parametrize(
+    ("issuer", "audience", "accepted"),
+    [
+        (ISSUER, AUDIENCE, True),
+        (None, None, False),
+        (ISSUER, None, False),
+        (None, AUDIENCE, False),
+        ("https://evil.example", AUDIENCE, False),
+        (ISSUER, "another-service", False),
+    ],
+    ids=["both", "neither", "no_aud", "no_iss", "wrong_iss", "wrong_aud"],
+)
+async def test_configured_issuer_and_audience_are_required(
+    harness: Harness, issuer: str | None, audience: str | None, accepted: bool
+) -> None:
+    h = harness
+    instance = await h.start_instance(jwt_issuer=ISSUER, jwt_audience=AUDIENCE)
+    await asyncio.wait_for(instance.services.sweeper.pass_done.wait(), 10)
+    token = mint_token("u", JWT_SECRET, issuer=issuer, audience=audience)
+
+    async with h.http.get(
+        f"{instance.base_url}/v1/credits", headers={"Authorization": f"Bearer {token}"}
+    ) as r:
+        body = await r.json(content_type=None)
+
+    if accepted:
+        assert (r.status, body) == (200, {"balance": 0})
+    else:
+        assert (r.status, r.content_type, body["code"]) == (
+            401,
+            "application/problem+json",
+            "unauthorized",
+        )
