@@ -550,6 +550,8 @@ async def bench_sweep(server: str, histories: list[int], users_n: int) -> dict[s
                     ("sweep_users_to_promote", (1000,)),
                     ("sweep_pending_due", (1000,)),
                     ("sweep_running_quiet", (3600.0, 1000)),
+                    ("reservation_take_stale", (120.0, 1000)),
+                    ("job_event_prune", (7 * 86400.0, 1000)),
                 ):
                     rows = await conn.fetch("EXPLAIN " + q[name], *args)
                     plans[name] = [r[0] for r in rows]

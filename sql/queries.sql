@@ -129,7 +129,8 @@ SELECT id
 SELECT id, core_run_id
   FROM analysis_jobs
  WHERE status = 'running'
-   AND coalesce(last_polled_at, started_at) < clock_timestamp() - make_interval(secs => $1)
+   -- now(), not clock_timestamp(): a stable bound can be an index condition.
+   AND coalesce(last_polled_at, started_at) < now() - make_interval(secs => $1)
  ORDER BY coalesce(last_polled_at, started_at)
  LIMIT $2;
 
@@ -138,7 +139,7 @@ SELECT id, core_run_id
 DELETE FROM core_run_reservations
  WHERE run_id IN (
         SELECT run_id FROM core_run_reservations
-         WHERE created_at < clock_timestamp() - make_interval(secs => $1)
+         WHERE created_at < now() - make_interval(secs => $1)  -- now(): stable, so indexable
          ORDER BY created_at
          LIMIT $2
            FOR UPDATE SKIP LOCKED)
@@ -191,7 +192,7 @@ SELECT e.event_id, e.kind, e.created_at AS event_at, j.*, p.queue_position
 -- Delete events older than $1 seconds, oldest first, at most $2. -> deleted
 WITH old AS (
     SELECT user_id, event_id FROM job_events
-     WHERE created_at < clock_timestamp() - make_interval(secs => $1)
+     WHERE created_at < now() - make_interval(secs => $1)  -- now(): stable, so indexable
      ORDER BY created_at
      LIMIT $2
 ), gone AS (
