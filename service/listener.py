@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,11 @@ class Listener:
                 "unreadable notification", extra={"action": "notify", "payload": payload[:200]}
             )
             return
+        written_at = event.get("at")
+        if isinstance(written_at, int | float):
+            # Both clocks are the same machine's or NTP-synced hosts'; a negative skew reads 0.
+            lag = max(0.0, time.time() - float(written_at))
+            self.dispatcher.metrics.notification_lag.observe(lag)
         if self.on_job_change is not None:
             self.on_job_change(user_id)  # event streams: schedules a read, never blocks
         new, old = event.get("new"), event.get("old")

@@ -40,6 +40,12 @@ class Metrics:
             "aq_listener_up", "1 while the LISTEN connection is up", registry=r
         )
         self.notifications = Counter("aq_notifications", "Notifications received", registry=r)
+        self.notification_lag = Histogram(
+            "aq_notification_lag_seconds",
+            "From the job change being written to its notification arriving here",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
+            registry=r,
+        )
         self.sweep_seconds = Histogram(
             "aq_sweep_seconds", "Duration of one sweep pass", buckets=_LATENCY_BUCKETS_S, registry=r
         )

@@ -123,3 +123,10 @@ async def test_metrics_show_open_jobs_and_promotions(harness: Harness) -> None:
     assert 'aq_jobs{status="running"} 1.0' in text
     assert 'aq_admits_total{outcome="admitted"} 3.0' in text
     assert 'aq_release_attempts_total{outcome="released"} 1.0' in text
+    assert "aq_notification_lag_seconds_count" in text
+    lag_count = next(
+        float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("aq_notification_lag_seconds_count")
+    )
+    assert lag_count >= 3  # three inserts and a promotion were heard

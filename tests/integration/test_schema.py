@@ -27,7 +27,7 @@ from service.sqlfiles import migrations, queries
 REPO = Path(__file__).resolve().parents[2]
 THESIS = {"title": "On locks", "document_url": "https://uni.example/locks.pdf"}
 SOURCES = ["10.1000/a.1", "10.1000/a.2"]
-NOTIFY_KEYS = {"id", "user_id", "old", "new", "deleted", "delta"}
+NOTIFY_KEYS = {"id", "user_id", "old", "new", "deleted", "delta", "at"}
 WAIT_S = 10.0
 
 
@@ -374,6 +374,7 @@ def _decoded(payloads: list[str]) -> list[dict[str, Any]]:
     out = [json.loads(p) for p in payloads]
     for p in out:
         assert set(p) == NOTIFY_KEYS, p
+        assert isinstance(p.pop("at"), float)  # when it was written; compared apart
     return out
 
 
