@@ -428,8 +428,17 @@ OPERATIONS: dict[RouteKey, Operation] = {
                 "schema": {"type": "string"},
             },
         ),
-        description="A stream that does not end: `snapshot`, job and `position` frames, and "
-        "heartbeats.",
+        description=(
+            "A stream that does not end. Each frame is `id: <event id>` (absent on `position` "
+            "frames), `event: <kind>` and one `data:` line of JSON "
+            '`{"id", "kind", "at", "job"}` where `job` is the job as `GET /v1/analyses/{id}` '
+            "shows it when the frame is sent. Kinds: `admitted`, `promoted`, `started`, "
+            "`finished`, `cancelled`, `deleted`, `changed`; `position` when a job ahead left "
+            'the queue; `snapshot` (`{"id", "kind", "at", "analyses": [job, ...]}`) first when '
+            "there is no usable Last-Event-ID. Event ids increase per user in commit order; "
+            "reconnect with `Last-Event-ID` to receive what was missed, then the live stream. "
+            "Idle streams get a `: keepalive` comment every 15 s."
+        ),
         tag="events",
     ),
     ("GET", "/"): Operation(
