@@ -123,8 +123,7 @@ class Dispatcher:
         try:
             await self.core.release(job.core_run_id)
         except errors.CoreRunGone as exc:
-            await self._fail(job, "core_run_gone", exc.detail)
-            return "failed"
+            return await self._not_held(job, exc.detail)
         except errors.CoreUnavailable as exc:
             now = datetime.now(UTC)
             if now >= deadline:
@@ -133,15 +132,7 @@ class Dispatcher:
                     await self.core.cancel(job.core_run_id)
                 self.gave_up += 1
                 return "gave_up"
-            at = next_attempt_at(
-                now,
-                job.release_attempts,
-                deadline,
-                base_s=self.settings.backoff_base_s,
-                max_s=self.settings.backoff_max_s,
-            )
-            await self.db.schedule_release_retry(job.id, self.settings.instance_id, at, exc.detail)
-            self._schedule(job.id, (at - now).total_seconds())
+            at = await self._retry_later(job, exc.detail)
             log.info(
                 "release retry scheduled",
                 extra={
@@ -165,6 +156,49 @@ class Dispatcher:
             },
         )
         return "released"
+
+    async def _not_held(self, job: Job, detail: str) -> str:
+        """Core refused the release: the run is not held. That is a lost run only if Core no
+        longer has it or cancelled it. An earlier release may have gone through with its
+        ``running`` never written (the database went away, the instance died): then Core is
+        judging or has finished the run, and the job follows Core instead of failing."""
+        from .completion import apply_core_run  # completion imports this module
+
+        assert job.core_run_id is not None
+        try:
+            run = await self.core.get_run(job.core_run_id)
+        except errors.CoreUnavailable:
+            await self._retry_later(job, "Core's state of the run is unknown")
+            return "retry"
+        if run is None or run.state == "cancelled":
+            await self._fail(job, "core_run_gone", detail)
+            return "failed"
+        if run.state == "judging":
+            await self.db.mark_running(job.id, self.settings.instance_id)
+            self.released += 1
+            return "released"
+        if run.finished:
+            await apply_core_run(self.db, self, run, source="poll")
+            self.released += 1
+            return "released"
+        await self._retry_later(job, f"Core reports the run {run.state}")
+        return "retry"
+
+    async def _retry_later(self, job: Job, detail: str) -> datetime:
+        """Put the job back on its retry schedule, never past the window; returns when."""
+        assert job.promoted_at is not None
+        now = datetime.now(UTC)
+        deadline = job.promoted_at + timedelta(seconds=self.settings.release_window_s)
+        at = next_attempt_at(
+            now,
+            job.release_attempts,
+            deadline,
+            base_s=self.settings.backoff_base_s,
+            max_s=self.settings.backoff_max_s,
+        )
+        await self.db.schedule_release_retry(job.id, self.settings.instance_id, at, detail)
+        self._schedule(job.id, (at - now).total_seconds())
+        return at
 
     async def _fail(self, job: Job, code: str, detail: str) -> None:
         result = await self.db.finish(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import asyncpg
 from support import Harness, assert_fifo_serial, check_invariants, fetch, fetchval, wait_for
@@ -216,4 +217,41 @@ async def test_two_instances_racing_promotions_never_double_start(harness: Harne
 
     await wait_for(done, timeout_s=30, what="30 jobs")
     await assert_fifo_serial(h.database_url)
+    await check_invariants(h.database_url)
+
+
+async def test_release_refused_because_an_earlier_release_went_through(harness: Harness) -> None:
+    """Core refuses a release (409) when an earlier one already went through but its ``running``
+    was never written (database gone, instance killed). The job must follow Core's state of the
+    run, not fail: here Core has already finished it."""
+    h = harness
+    h.sim.judge_time_s = 60
+    await h.start_instance()
+    await h.grant("u", 2)
+    _, a = await h.admit("u", 1)
+    _, b = await h.admit("u", 2)
+    await wait_for(lambda: _is(h, a["id"], "running"), what="first job running")
+    a_run, b_run = [
+        await fetchval(
+            h.database_url, "SELECT core_run_id FROM analysis_jobs WHERE id=$1::uuid", j["id"]
+        )
+        for j in (a, b)
+    ]
+    # The earlier release of B, as if made by an instance that died before writing "running".
+    h.sim.judge_time_s = 0.01
+    async with h.http.post(f"{h.sim.base_url}/v1/runs/{b_run}/release") as r:
+        assert r.status == 200
+
+    async def b_run_completed() -> bool:
+        return any(r["id"] == b_run and r["state"] == "completed" for r in h.sim.runs_snapshot())
+
+    await wait_for(b_run_completed, what="B's run completed in Core")
+    assert await _status(h, b["id"]) == "queued"
+    async with h.http.post(f"{h.sim.base_url}/_sim/runs/{a_run}/finish", json={}) as r:
+        assert r.status == 200
+
+    await wait_for(lambda: _is(h, b["id"], "succeeded", "failed"), what="B settled")
+    row = (await fetch(h.database_url, "SELECT * FROM analysis_jobs WHERE id=$1::uuid", b["id"]))[0]
+    assert row["status"] == "succeeded", row["error_code"]
+    assert len(json.loads(row["verdicts"])) == 2  # Core's verdicts, one per source
     await check_invariants(h.database_url)
