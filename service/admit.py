@@ -14,6 +14,7 @@ import hashlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -65,14 +66,16 @@ class Admitter:
         idempotency_key: str | None = None,
     ) -> Admitted:
         body_hash = request_hash({"thesis": thesis, "sources": sources})
-        return await self._admit(
-            user_id,
-            thesis,
-            sources,
-            cost=self.analysis_cost,
-            delta_of=None,
-            idempotency_key=idempotency_key,
-            body_hash=body_hash,
+        return await self._counted(
+            self._admit(
+                user_id,
+                thesis,
+                sources,
+                cost=self.analysis_cost,
+                delta_of=None,
+                idempotency_key=idempotency_key,
+                body_hash=body_hash,
+            )
         )
 
     async def recheck(self, user_id: str, parent_id: UUID, sources: list[str]) -> Admitted:
@@ -83,38 +86,23 @@ class Admitter:
         if parent["status"] != "succeeded":
             raise errors.Conflict("Only a succeeded analysis can be re-checked.")
         root = parent["delta_of_job_id"] or parent["id"]
-        return await self._admit(
-            user_id,
-            parent["thesis"],
-            sources,
-            cost=self.recheck_cost,
-            delta_of=root,
-            idempotency_key=None,
-            body_hash=None,
+        return await self._counted(
+            self._admit(
+                user_id,
+                parent["thesis"],
+                sources,
+                cost=self.recheck_cost,
+                delta_of=root,
+                idempotency_key=None,
+                body_hash=None,
+            )
         )
 
-    async def _admit(
-        self,
-        user_id: str,
-        thesis: dict[str, Any],
-        sources: list[str],
-        *,
-        cost: int,
-        delta_of: UUID | None,
-        idempotency_key: str | None,
-        body_hash: str | None,
-    ) -> Admitted:
+    async def _counted(self, admission: Awaitable[Admitted]) -> Admitted:
+        """Await an admission, counting its outcome and latency."""
         started = time.perf_counter()
         try:
-            admitted = await self._reserve_create_admit(
-                user_id,
-                thesis,
-                sources,
-                cost=cost,
-                delta_of=delta_of,
-                idempotency_key=idempotency_key,
-                body_hash=body_hash,
-            )
+            admitted = await admission
         except errors.AppError as exc:
             self.metrics.admits.labels(exc.code).inc()
             raise
@@ -122,7 +110,7 @@ class Admitter:
         self.metrics.admit_seconds.observe(time.perf_counter() - started)
         return admitted
 
-    async def _reserve_create_admit(
+    async def _admit(
         self,
         user_id: str,
         thesis: dict[str, Any],
