@@ -19,8 +19,15 @@ from .completion import apply_core_run
 from .core_client import CoreRun, verify_callback
 from .logs import request_id_var
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .models import OPEN_STATUSES, StaleReservation
-from .schemas import CONTROL_CHARS, AnalysisRequest, CreditGrant, RecheckRequest
+from .models import OPEN_STATUSES, Job, StaleReservation
+from .schemas import (
+    CONTROL_CHARS,
+    MAX_USER_ID_CHARS,
+    AnalysisRequest,
+    CreditGrant,
+    RecheckRequest,
+    UserLimitRequest,
+)
 from .state import SERVICES, Services
 
 log = logging.getLogger(__name__)
@@ -169,6 +176,14 @@ def _idempotency_key(request: web.Request) -> str | None:
 # -- analyses -----------------------------------------------------------------------------------
 
 
+def _set_off(services: Services, job: Job) -> None:
+    """Start what a just-admitted job needs, without waiting for its NOTIFY to come back."""
+    if job.status == "pending":
+        services.dispatcher.submit(job.id)
+    elif job.waiting_for == "provider_capacity":
+        services.promoter.pass_soon("admit")  # its user has room: a free global slot may be its
+
+
 @routes.post("/v1/analyses")
 async def create_analysis(request: web.Request) -> web.Response:
     user_id = _user(request)
@@ -180,8 +195,8 @@ async def create_analysis(request: web.Request) -> web.Response:
         list(body.sources),
         idempotency_key=_idempotency_key(request),
     )
-    if admitted.created and admitted.job.status == "pending":
-        services.dispatcher.submit(admitted.job.id)  # skip the NOTIFY hop for our own admit
+    if admitted.created:
+        _set_off(services, admitted.job)
     headers = {"Location": f"/v1/analyses/{admitted.job.id}"}
     if not admitted.created:
         headers["Idempotent-Replayed"] = "true"
@@ -224,6 +239,8 @@ async def delete_analysis(request: web.Request) -> web.Response:
     job = result.job
     if result.promoted is not None:
         services.dispatcher.submit(result.promoted.id)
+    if result.changed and services.promoter.ceiling_on:
+        services.promoter.pass_soon("cancel")  # a global slot or a user's room freed
     if result.changed and result.old_status in OPEN_STATUSES and job.core_run_id:
         try:
             await services.core.cancel(job.core_run_id)
@@ -253,7 +270,7 @@ async def create_recheck(request: web.Request) -> web.Response:
     body = await _body(request, RecheckRequest)
     services = _services(request)
     admitted = await services.admitter.recheck(user_id, parent_id, list(body.sources))
-    services.dispatcher.submit(admitted.job.id)
+    _set_off(services, admitted.job)
     return json_response(
         admitted.job.to_json(),
         status=201,
@@ -280,6 +297,47 @@ async def grant_credits(request: web.Request) -> web.Response:
         "credits granted", extra={"action": "grant", "user_id": body.user_id, "amount": body.amount}
     )
     return json_response({"user_id": body.user_id, "balance": balance})
+
+
+# -- capacity -----------------------------------------------------------------------------------
+
+
+@routes.get("/v1/admin/capacity")
+async def get_capacity(request: web.Request) -> web.Response:
+    services = _services(request)
+    require_admin(request.headers.get("Authorization"), services.settings.admin_token)
+    return json_response((await services.db.capacity()).to_json())
+
+
+def _limit_user(request: web.Request) -> str:
+    user_id = request.match_info["user_id"]
+    if not 0 < len(user_id) <= MAX_USER_ID_CHARS or CONTROL_CHARS.search(user_id):
+        raise errors.NotFound()
+    return user_id
+
+
+@routes.get("/v1/admin/users/{user_id}/limit")
+async def get_user_limit(request: web.Request) -> web.Response:
+    services = _services(request)
+    require_admin(request.headers.get("Authorization"), services.settings.admin_token)
+    return json_response((await services.db.user_limit(_limit_user(request))).to_json())
+
+
+@routes.put("/v1/admin/users/{user_id}/limit")
+async def set_user_limit(request: web.Request) -> web.Response:
+    services = _services(request)
+    require_admin(request.headers.get("Authorization"), services.settings.admin_token)
+    user_id = _limit_user(request)
+    body = await _body(request, UserLimitRequest)
+    for job in await services.db.set_user_limit(user_id, body.max_running):
+        services.dispatcher.submit(job.id)
+    if services.promoter.ceiling_on:
+        services.promoter.pass_soon("limit")  # jobs that now wait for capacity may start
+    log.info(
+        "user limit set",
+        extra={"action": "user_limit", "user_id": user_id, "max_running": body.max_running},
+    )
+    return json_response((await services.db.user_limit(user_id)).to_json())
 
 
 # -- Core callbacks -----------------------------------------------------------------------------
@@ -315,6 +373,11 @@ async def metrics(request: web.Request) -> web.Response:
     counts = await services.db.open_job_counts()
     for status in ("queued", "pending", "running"):
         m.jobs.labels(status).set(counts.get(status, 0))
+    capacity = await services.db.capacity()
+    m.ceiling.set(capacity.ceiling or 0)
+    m.slots_in_use.set(capacity.active)
+    m.waiting_for_capacity.labels("jobs").set(capacity.jobs_waiting)
+    m.waiting_for_capacity.labels("users").set(capacity.users_waiting)
     size, idle = services.db.pool_counts()
     m.pool_size.labels("total").set(size)
     m.pool_size.labels("idle").set(idle)

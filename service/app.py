@@ -26,6 +26,7 @@ from .dispatch import Dispatcher, DispatchSettings
 from .embedded import start_embedded
 from .hub import EventHub, HubSettings
 from .listener import Listener, ListenerSettings
+from .promoter import Promoter
 from .state import SERVICES, Services
 from .sweeper import Sweeper, SweepSettings
 
@@ -77,6 +78,7 @@ def build_app(
         core = CoreClient(core_url, timeout_s=settings.core_timeout_s)
         await core.start()
         services = _make_services(settings, db, core, simulator)
+        await _apply_ceiling(services)
         app[SERVICES] = services
         services.migrated = not await db.pending_migrations()
         _start_loops(services, on_fatal)
@@ -93,6 +95,7 @@ def build_app(
             if services.listener is not None:
                 await services.listener.stop()
             await services.sweeper.stop()
+            await services.promoter.stop()
             await services.dispatcher.stop(settings.shutdown_timeout_s)
             await core.close()
             if simulator is not None:
@@ -127,10 +130,12 @@ def _make_services(
             concurrency=settings.dispatch_concurrency,
         ),
     )
+    promoter = Promoter(db, dispatcher)
     sweeper = Sweeper(
         db,
         core,
         dispatcher,
+        promoter,
         SweepSettings(
             interval_s=settings.sweep_interval_s,
             running_quiet_s=settings.running_quiet_s,
@@ -148,6 +153,7 @@ def _make_services(
         listener = Listener(
             db,
             dispatcher,
+            promoter,
             ListenerSettings(ping_interval_s=settings.listener_ping_s),
             on_connected=connected,
             on_job_change=hub.notify,
@@ -164,6 +170,7 @@ def _make_services(
             metrics=dispatcher.metrics,
         ),
         dispatcher=dispatcher,
+        promoter=promoter,
         sweeper=sweeper,
         listener=listener,
         tokens=TokenCache(
@@ -174,6 +181,18 @@ def _make_services(
         events=hub,
         simulator=simulator,
     )
+
+
+async def _apply_ceiling(services: Services) -> None:
+    """Write this instance's AQ_GLOBAL_MAX_RUNNING into the database, which all instances obey,
+    then fill what the change freed (a raise, or turning it off)."""
+    ceiling = services.settings.global_max_running or None
+    await services.db.set_ceiling(ceiling)
+    services.promoter.ceiling = ceiling
+    log.info("provider ceiling", extra={"action": "ceiling", "global_max_running": ceiling})
+    for user_id in await services.db.users_to_promote(10_000):
+        await services.promoter.promote(user_id, "ceiling")
+    await services.promoter.run_pass("ceiling")
 
 
 def _start_loops(services: Services, on_fatal: Callable[[str], None] | None) -> None:

@@ -50,6 +50,13 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535)
     sweep_interval_s: float = Field(default=30.0, ge=0.0, description="0 disables the sweep.")
     release_window_s: float = Field(default=1800.0, gt=0)
+    global_max_running: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="Provider ceiling: runs judging in Core at once, across users and instances; "
+        "0 = off. Applied to the database at start (the last instance started wins).",
+    )
     analysis_cost: int = Field(default=1, ge=0)
     recheck_cost: int = Field(default=0, ge=0)
     data_dir: Path = Field(default_factory=default_data_dir)

@@ -19,7 +19,7 @@ import asyncpg
 import orjson
 
 from . import errors
-from .models import Finish, Job, JobEvent, Reservation, StaleReservation
+from .models import Capacity, Finish, Job, JobEvent, Reservation, StaleReservation, UserLimit
 from .sqlfiles import migrations, queries
 
 log = logging.getLogger(__name__)
@@ -254,15 +254,47 @@ class Database:
 
     # -- promotion and completion ------------------------------------------------------------
 
-    async def promote_next(self, user_id: str) -> Job | None:
+    async def promote(self, user_id: str | None, limit: int) -> tuple[int | None, list[Job]]:
+        """Fill free slots: the user's (ceiling off) or the fairest (ceiling on, a pass).
+        Returns the ceiling in force and the jobs promoted."""
         try:
-            return _job_or_none(await self._fetchrow("promote_next", user_id))
+            rows = await self._fetch("promote", user_id, limit)
         except asyncpg.UniqueViolationError:
-            # The one-active index refused a second active job: another writer won. Every
-            # writer takes the user lock, so this means a writer that does not (an old
-            # version, a manual fix); the index kept the invariant.
-            log.warning("promotion lost to the one-active index", extra={"user_id": user_id})
-            return None
+            # A slot index refused a second holder: a writer that does not take the locks (a
+            # manual fix) won. The index kept the invariant; the next pass sees the truth.
+            log.warning("promotion lost to a slot index", extra={"user_id": user_id})
+            return None, []
+        ceiling = rows[0]["ceiling"] if rows else None
+        return ceiling, [Job.from_row(r) for r in rows if r["id"] is not None]
+
+    # -- capacity ----------------------------------------------------------------------------
+
+    async def set_ceiling(self, ceiling: int | None) -> None:
+        """Set the global ceiling (None: off); waits for queue decisions made under the old."""
+        await self._fetchrow("ceiling_set", ceiling)
+
+    async def capacity(self) -> Capacity:
+        row = await self._fetchrow("capacity")
+        return Capacity(
+            ceiling=row["ceiling"],
+            active=int(row["active"]),
+            jobs_waiting=int(row["jobs_waiting"]),
+            users_waiting=int(row["users_waiting"]),
+        )
+
+    async def set_user_limit(self, user_id: str, max_running: int | None) -> list[Job]:
+        """Set a user's concurrency (None: the default); returns the jobs it promoted."""
+        return [Job.from_row(r) for r in await self._fetch("user_limit_set", user_id, max_running)]
+
+    async def user_limit(self, user_id: str) -> UserLimit:
+        row = await self._fetchrow("user_limit_get", user_id)
+        return UserLimit(
+            user_id=user_id,
+            max_running=int(row["max_running"]),
+            custom=bool(row["custom"]),
+            active=int(row["active"]),
+            queued=int(row["queued"]),
+        )
 
     async def finish(
         self,

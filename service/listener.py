@@ -3,6 +3,9 @@
 - A job that became ``pending`` is handed to the dispatcher (claim + release).
 - A first-pass job that left ``pending``/``running`` frees its user's slot: the user's next
   queued job is promoted under the user lock, within milliseconds of the commit.
+- With the provider ceiling on, any job leaving ``pending``/``running`` frees a global slot and
+  a queued job that may wait for capacity may take one: both ask for a promotion pass, which
+  gives free slots to whoever's turn it is (``promoter.py``).
 NOTIFY is only a wake-up: every action re-reads the database under the lock. Notifications sent
 while the connection is down are lost for good, so each (re)connect LISTENs first and then asks
 the sweep for a catch-up pass. A ping every few seconds notices a half-open connection.
@@ -25,6 +28,7 @@ import orjson
 from . import errors
 from .db import Database, ListenConnection
 from .dispatch import Dispatcher
+from .promoter import Promoter
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,6 @@ class ListenerSettings:
     ping_interval_s: float = 5.0  # how quickly a silently dead connection is noticed
     ping_timeout_s: float = 3.0
     reconnect_max_s: float = 10.0  # cap of the reconnect backoff
-    promote_concurrency: int = 8
 
 
 class Listener:
@@ -46,6 +49,7 @@ class Listener:
         self,
         db: Database,
         dispatcher: Dispatcher,
+        promoter: Promoter,
         settings: ListenerSettings,
         *,
         on_connected: Callable[[], None] | None = None,
@@ -53,22 +57,22 @@ class Listener:
     ) -> None:
         self.db = db
         self.dispatcher = dispatcher
+        self.promoter = promoter
         self.settings = settings
         self.on_connected = on_connected  # the app points this at the sweep's kick()
         self.on_job_change = on_job_change  # the app points this at the event hub's notify()
         self._conn: ListenConnection | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self._promoting: set[str] = set()
         self._freed: dict[str, bool] = {}  # users whose slot freed in this notification batch
         self._flush_scheduled = False
-        self._again: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._sem = asyncio.Semaphore(settings.promote_concurrency)
         self.connected = asyncio.Event()
         self.reconnects = 0
         self.notifications = 0
-        self.promotions = 0
+
+    @property
+    def promotions(self) -> int:
+        return self.promoter.promotions
 
     @property
     def healthy(self) -> bool:
@@ -101,12 +105,13 @@ class Listener:
             self.on_job_change(user_id)  # event streams: schedules a read, never blocks
         new, old = event.get("new"), event.get("old")
         first_pass = not event.get("delta")
-        frees_slot = (
-            first_pass
-            and old in _FREEING_STATUSES
-            and (new not in _FREEING_STATUSES or event.get("deleted"))
+        leaves_active = old in _FREEING_STATUSES and (
+            new not in _FREEING_STATUSES or event.get("deleted")
         )
-        if frees_slot:
+        if self.promoter.ceiling_on and (leaves_active or new == "queued"):
+            # A global slot freed, or a job that may wait for one arrived: a pass decides.
+            self.promoter.pass_soon()
+        elif first_pass and leaves_active:
             self._freed[user_id] = True
             if not self._flush_scheduled:
                 # asyncpg queues every notification of one read with call_soon; this runs
@@ -124,45 +129,7 @@ class Listener:
         freed, self._freed = self._freed, {}
         for user_id, still_free in freed.items():
             if still_free:
-                self.promote_soon(user_id)
-
-    def promote_soon(self, user_id: str) -> None:
-        """Promote a user's next job; concurrent requests for one user fold into one re-run."""
-        if user_id in self._promoting:
-            self._again.add(user_id)
-            return
-        self._promoting.add(user_id)
-        task = asyncio.create_task(self._promote(user_id))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _promote(self, user_id: str) -> None:
-        try:
-            while True:
-                self._again.discard(user_id)
-                async with self._sem:
-                    job = await self.db.promote_next(user_id)
-                if job is not None:
-                    self.promotions += 1
-                    self.dispatcher.metrics.promotions.labels("notify").inc()
-                    log.info(
-                        "promoted",
-                        extra={
-                            "action": "promote",
-                            "trigger": "notify",
-                            "job_id": str(job.id),
-                            "user_id": user_id,
-                        },
-                    )
-                    self.dispatcher.submit(job.id)
-                if user_id not in self._again:
-                    break
-        except errors.DatabaseUnavailable:
-            log.warning("promotion: database unavailable", extra={"user_id": user_id})
-        except Exception:
-            log.exception("promotion failed", extra={"action": "promote", "user_id": user_id})
-        finally:
-            self._promoting.discard(user_id)
+                self.promoter.slot_freed(user_id)
 
     # -- connection lifecycle ---------------------------------------------------------------
 
@@ -240,8 +207,7 @@ class Listener:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self._task, timeout=5)
             self._task = None
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=5)
+        await self.promoter.stop()
 
     @property
     def task(self) -> asyncio.Task[None] | None:

@@ -49,6 +49,18 @@ class Metrics:
         self.sweep_seconds = Histogram(
             "aq_sweep_seconds", "Duration of one sweep pass", buckets=_LATENCY_BUCKETS_S, registry=r
         )
+        self.ceiling = Gauge(
+            "aq_global_max_running", "The provider ceiling in force; 0 when off", registry=r
+        )
+        self.slots_in_use = Gauge(
+            "aq_global_slots_in_use", "Jobs pending or running, across instances", registry=r
+        )
+        self.waiting_for_capacity = Gauge(
+            "aq_waiting_for_capacity",
+            "Queued jobs and users whose user has room: they wait for the provider",
+            ["unit"],
+            registry=r,
+        )
         self.pool_size = Gauge("aq_db_pool_connections", "Pool connections", ["state"], registry=r)
         self.event_subscribers = Gauge(
             "aq_event_subscribers", "Open event-stream subscribers", registry=r

@@ -40,10 +40,10 @@ class Job:
     error_detail: str | None
     verdicts: list[dict[str, Any]] | None
     queue_position: int | None = None
+    waiting_for: str | None = None  # queued only: your_previous_analysis | provider_capacity
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:
-        keys = row.keys()
         return cls(
             id=row["id"],
             user_id=row["user_id"],
@@ -65,7 +65,8 @@ class Job:
             error_code=row["error_code"],
             error_detail=row["error_detail"],
             verdicts=row["verdicts"],
-            queue_position=row["queue_position"] if "queue_position" in keys else None,
+            queue_position=row.get("queue_position"),
+            waiting_for=row.get("waiting_for"),
         )
 
     @property
@@ -82,6 +83,7 @@ class Job:
             "run_id": str(self.run_id),
             "status": self.status,
             "queue_position": self.queue_position if self.status == "queued" else None,
+            "waiting_for": self.waiting_for if self.status == "queued" else None,
             "delta_of": str(self.delta_of_job_id) if self.delta_of_job_id else None,
             "thesis": self.thesis,
             "sources": self.sources,
@@ -100,7 +102,7 @@ class JobEvent:
     now; ``job`` is None if the job's row is gone."""
 
     event_id: int
-    kind: str  # admitted | promoted | started | finished | cancelled | deleted | changed
+    kind: str  # admitted | promoted | started | finished | cancelled | deleted | waiting | changed
     created_at: datetime
     job: Job | None
 
@@ -122,6 +124,44 @@ class Finish:
     old_status: str
     changed: bool
     promoted: Job | None
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """The provider ceiling as the database holds it: ``ceiling`` None when off."""
+
+    ceiling: int | None
+    active: int  # jobs pending or running, each holding a global slot when the ceiling is on
+    jobs_waiting: int  # queued jobs whose user has room: they wait for the provider
+    users_waiting: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "global_max_running": self.ceiling,
+            "slots_in_use": self.active,
+            "jobs_waiting_for_capacity": self.jobs_waiting,
+            "users_waiting_for_capacity": self.users_waiting,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class UserLimit:
+    """A user's concurrency: how many of their first-pass analyses may run at once."""
+
+    user_id: str
+    max_running: int
+    custom: bool  # False: the default of 1
+    active: int
+    queued: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "user_id": self.user_id,
+            "max_running": self.max_running,
+            "default": not self.custom,
+            "active": self.active,
+            "queued": self.queued,
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ REQUEST_MODELS: tuple[type[pydantic.BaseModel], ...] = (
     schemas.AnalysisRequest,
     schemas.RecheckRequest,
     schemas.CreditGrant,
+    schemas.UserLimitRequest,
 )
 
 routes = web.RouteTableDef()
@@ -66,6 +67,7 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "run_id",
             "status",
             "queue_position",
+            "waiting_for",
             "delta_of",
             "thesis",
             "sources",
@@ -87,6 +89,12 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                 "type": ["integer", "null"],
                 "minimum": 1,
                 "description": "1 = next; null unless queued.",
+            },
+            "waiting_for": {
+                "type": ["string", "null"],
+                "enum": ["your_previous_analysis", "provider_capacity", None],
+                "description": "Why a queued job waits: its user's earlier analyses (their "
+                "limit is reached), or the provider's global ceiling. null unless queued.",
             },
             "delta_of": {**_nullable(_UUID), "description": "The job a re-check re-checks."},
             "thesis": {
@@ -165,6 +173,38 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "balance": {"type": "integer", "minimum": 0},
         },
     },
+    "Capacity": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": [
+            "global_max_running",
+            "slots_in_use",
+            "jobs_waiting_for_capacity",
+            "users_waiting_for_capacity",
+        ],
+        "properties": {
+            "global_max_running": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "description": "The provider ceiling in force (AQ_GLOBAL_MAX_RUNNING); null: off.",
+            },
+            "slots_in_use": {"type": "integer", "minimum": 0},
+            "jobs_waiting_for_capacity": {"type": "integer", "minimum": 0},
+            "users_waiting_for_capacity": {"type": "integer", "minimum": 0},
+        },
+    },
+    "UserLimit": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["user_id", "max_running", "default", "active", "queued"],
+        "properties": {
+            "user_id": {"type": "string", "maxLength": MAX_USER_ID_LEN},
+            "max_running": {"type": "integer", "minimum": 1, "maximum": schemas.MAX_USER_LIMIT},
+            "default": {"type": "boolean", "description": "true: no plan limit set (1)."},
+            "active": {"type": "integer", "minimum": 0},
+            "queued": {"type": "integer", "minimum": 0},
+        },
+    },
     "CoreEvent": {
         "type": "object",
         "description": "A run as Core reports it when the run ends.",
@@ -240,6 +280,13 @@ _JOB_ID = {
     "required": True,
     "description": "The job's id. Not a UUID, unknown, deleted or another user's: 404.",
     "schema": _UUID,
+}
+_USER_ID = {
+    "name": "user_id",
+    "in": "path",
+    "required": True,
+    "description": "The user's id (the `sub` of their tokens).",
+    "schema": {"type": "string", "minLength": 1, "maxLength": MAX_USER_ID_LEN},
 }
 _IDEMPOTENCY_KEY = {
     "name": "Idempotency-Key",
@@ -366,6 +413,36 @@ OPERATIONS: dict[RouteKey, Operation] = {
         body=schemas.CreditGrant,
         tag="credits",
     ),
+    ("GET", "/v1/admin/capacity"): Operation(
+        "getCapacity",
+        "The provider ceiling, slots in use and who waits for capacity (admin)",
+        {200: "Capacity"},
+        (401, 503),
+        security="adminToken",
+        tag="capacity",
+    ),
+    ("GET", "/v1/admin/users/{user_id}/limit"): Operation(
+        "getUserLimit",
+        "How many of a user's analyses may run at once (admin)",
+        {200: "UserLimit"},
+        (401, 404, 503),
+        security="adminToken",
+        parameters=(_USER_ID,),
+        tag="capacity",
+    ),
+    ("PUT", "/v1/admin/users/{user_id}/limit"): Operation(
+        "setUserLimit",
+        "Set how many of a user's analyses may run at once (admin)",
+        {200: "UserLimit"},
+        (400, 401, 404, 413, 415, 422, 503),
+        security="adminToken",
+        body=schemas.UserLimitRequest,
+        parameters=(_USER_ID,),
+        description="Still first in, first out within the user. Raising it starts waiting jobs "
+        "at once (or, with the provider ceiling on, makes them wait for capacity); lowering it "
+        "lets running jobs finish. `max_running: null` restores the default of 1.",
+        tag="capacity",
+    ),
     ("POST", "/v1/core/events"): Operation(
         "coreEvent",
         "Core's signed callback when a run ends",
@@ -433,7 +510,8 @@ OPERATIONS: dict[RouteKey, Operation] = {
             "frames), `event: <kind>` and one `data:` line of JSON "
             '`{"id", "kind", "at", "job"}` where `job` is the job as `GET /v1/analyses/{id}` '
             "shows it when the frame is sent. Kinds: `admitted`, `promoted`, `started`, "
-            "`finished`, `cancelled`, `deleted`, `changed`; `position` when a job ahead left "
+            "`finished`, `cancelled`, `deleted`, `changed`; `waiting` when a queued job's "
+            "`waiting_for` changed; `position` when a job ahead left "
             'the queue; `snapshot` (`{"id", "kind", "at", "analyses": [job, ...]}`) first when '
             "there is no usable Last-Event-ID. Event ids increase per user in commit order; "
             "reconnect with `Last-Event-ID` to receive what was missed, then the live stream. "

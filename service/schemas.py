@@ -135,3 +135,12 @@ class CreditGrant(_Strict):
     user_id: UserId
     amount: int = Field(gt=0, le=1_000_000)
     note: Note | None = None
+
+
+MAX_USER_LIMIT = 100  # the database's bound (user_limits.max_running)
+
+
+class UserLimitRequest(_Strict):
+    """A user's plan: how many of their analyses may run at once; null restores the default."""
+
+    max_running: int | None = Field(ge=1, le=MAX_USER_LIMIT)

@@ -15,6 +15,7 @@ from .db import Database
 from .dispatch import Dispatcher
 from .hub import EventHub
 from .listener import Listener
+from .promoter import Promoter
 from .sweeper import Sweeper
 
 
@@ -25,6 +26,7 @@ class Services:
     core: CoreClient
     admitter: Admitter
     dispatcher: Dispatcher
+    promoter: Promoter
     sweeper: Sweeper
     listener: Listener | None
     tokens: TokenCache

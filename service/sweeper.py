@@ -2,7 +2,9 @@
 deploys harmless. Every instance runs it every ``interval_s`` (jittered).
 
 One pass (``run_once``):
-  1. promotes for users who have a queued job and no active first-pass job;
+  1. promotes for users who have a queued job and a free slot (or, with the provider ceiling
+     on, re-derives their waits), then runs a promotion pass (fills free global slots; with
+     the ceiling off it only learns that it is off);
   2. hands pending jobs nobody is releasing (and whose retry is due) to the dispatcher;
   3. asks Core about running jobs not heard of for a while (a lost callback);
   4. cancels held runs whose admit died (stale run reservations);
@@ -26,6 +28,7 @@ from .core_client import CoreClient
 from .db import Database
 from .dispatch import Dispatcher
 from .models import StaleReservation
+from .promoter import Promoter
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +61,17 @@ class SweepReport:
 
 class Sweeper:
     def __init__(
-        self, db: Database, core: CoreClient, dispatcher: Dispatcher, settings: SweepSettings
+        self,
+        db: Database,
+        core: CoreClient,
+        dispatcher: Dispatcher,
+        promoter: Promoter,
+        settings: SweepSettings,
     ) -> None:
         self.db = db
         self.core = core
         self.dispatcher = dispatcher
+        self.promoter = promoter
         self.settings = settings
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -100,20 +109,8 @@ class Sweeper:
 
     async def _promote(self, report: SweepReport) -> None:
         for user_id in await self.db.users_to_promote(self.settings.batch):
-            job = await self.db.promote_next(user_id)
-            if job is not None:
-                report.promoted += 1
-                self.dispatcher.metrics.promotions.labels("sweep").inc()
-                log.info(
-                    "promoted",
-                    extra={
-                        "action": "promote",
-                        "trigger": "sweep",
-                        "job_id": str(job.id),
-                        "user_id": user_id,
-                    },
-                )
-                self.dispatcher.submit(job.id)
+            report.promoted += len(await self.promoter.promote(user_id, "sweep"))
+        report.promoted += await self.promoter.run_pass("sweep")
 
     async def _dispatch(self, report: SweepReport) -> None:
         for job_id in await self.db.pending_due(self.settings.batch):

@@ -14,15 +14,44 @@ SELECT (r.job).*, r.queue_position
 -- $6 sources, $7 idempotency key, $8 request hash. -> outcome, job_id, balance
 SELECT * FROM aq_reserve_v1($1, $2, $3, $4, $5, $6, $7, $8);
 
--- promote_next --
--- Promote a user's next queued first-pass job if their slot is free: $1 user.
-SELECT j.*, NULL::bigint AS queue_position FROM aq_promote_next_v1($1) j WHERE j.id IS NOT NULL;
+-- promote --
+-- Fill free slots (aq_promote_v2): $1 user whose slot freed, or NULL for a pass; $2 at most.
+-- -> the ceiling in force on every row, and the promoted jobs (one all-NULL job when none).
+SELECT p.ceiling, (p.job).*, NULL::bigint AS queue_position FROM aq_promote_v2($1, $2) p;
 
 -- finish --
 -- Terminal move and/or soft delete under the user lock, refund, tail promotion:
 -- $1 job id, $2 Core run id, $3 user scope, $4 status, $5 from statuses, $6 delete,
 -- $7 error code, $8 error detail, $9 verdicts, $10 Core judged it.
 SELECT * FROM aq_finish_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
+
+-- ceiling_set --
+-- Set the global ceiling (NULL: off), waiting for decisions in flight: $1 ceiling.
+SELECT aq_set_ceiling_v1($1) AS ceiling;
+
+-- capacity --
+-- The ceiling, global slots in use, and who waits for capacity (reads the partial indexes).
+SELECT (SELECT s.global_max_running FROM queue_settings s) AS ceiling,
+       (SELECT count(*) FROM analysis_jobs WHERE status IN ('pending', 'running')) AS active,
+       (SELECT count(*) FROM analysis_jobs
+         WHERE status = 'queued' AND waiting_for = 'provider_capacity') AS jobs_waiting,
+       (SELECT count(DISTINCT user_id) FROM analysis_jobs
+         WHERE status = 'queued' AND waiting_for = 'provider_capacity') AS users_waiting;
+
+-- user_limit_set --
+-- Set a user's concurrency (NULL: the default, 1) and fill what it frees: $1 user, $2 limit.
+-- -> the jobs promoted.
+SELECT j.*, NULL::bigint AS queue_position FROM aq_set_user_limit_v1($1, $2) j;
+
+-- user_limit_get --
+-- A user's concurrency and what they have active and queued: $1 user.
+SELECT aq_user_limit_v1($1) AS max_running,
+       (SELECT l.user_id IS NOT NULL FROM user_limits l WHERE l.user_id = $1) AS custom,
+       (SELECT count(*) FROM analysis_jobs a
+         WHERE a.user_id = $1 AND a.status IN ('pending', 'running')
+           AND a.delta_of_job_id IS NULL) AS active,
+       (SELECT count(*) FROM analysis_jobs q
+         WHERE q.user_id = $1 AND q.status = 'queued') AS queued;
 
 -- credit_grant --
 -- Grant credits: $1 user, $2 amount, $3 note. -> balance
@@ -41,9 +70,10 @@ SELECT status, count(*) FROM analysis_jobs WHERE status IN ('pending', 'running'
 -- job_get --
 -- One job of one user, with its queue position: $1 job id, $2 user.
 SELECT j.*,
-       CASE WHEN j.status = 'queued' THEN (
+       CASE WHEN j.status = 'queued' AND j.delta_of_job_id IS NULL THEN (
            SELECT count(*) FROM analysis_jobs q
-            WHERE q.user_id = j.user_id AND q.status = 'queued' AND q.queue_seq <= j.queue_seq)
+            WHERE q.user_id = j.user_id AND q.status = 'queued' AND q.queue_seq <= j.queue_seq
+              AND q.delta_of_job_id IS NULL)
        END AS queue_position
   FROM analysis_jobs j
  WHERE j.id = $1 AND j.user_id = $2 AND j.deleted_at IS NULL;
@@ -51,8 +81,9 @@ SELECT j.*,
 -- job_list --
 -- A user's jobs, newest first, deleted ones hidden, with queue positions: $1 user, $2 limit.
 SELECT j.*,
-       CASE WHEN j.status = 'queued' THEN
-           row_number() OVER (PARTITION BY j.status = 'queued' ORDER BY j.queue_seq)
+       CASE WHEN j.status = 'queued' AND j.delta_of_job_id IS NULL THEN
+           row_number() OVER (PARTITION BY j.status = 'queued' AND j.delta_of_job_id IS NULL
+                              ORDER BY j.queue_seq)
        END AS queue_position
   FROM analysis_jobs j
  WHERE j.user_id = $1 AND j.deleted_at IS NULL
@@ -102,16 +133,19 @@ SELECT id, user_id, thesis, sources, status, delta_of_job_id
  WHERE id = $1 AND user_id = $2 AND deleted_at IS NULL;
 
 -- sweep_users_to_promote --
--- Users with a queued job and no active first-pass job (a promotion was missed): $1 limit.
+-- Users a promotion may have missed: $1 limit. With the ceiling off, a user with a waiting delta
+-- or with a queued job and a free slot; with it on, a user with room whose head does not wait
+-- for capacity (its wait was not re-derived). Ready users are the promotion pass's business.
 SELECT DISTINCT q.user_id
   FROM analysis_jobs q
  WHERE q.status = 'queued'
-   AND NOT EXISTS (
-        SELECT 1 FROM analysis_jobs a
-         WHERE a.user_id = q.user_id
-           AND a.status IN ('pending', 'running')
-           AND a.delta_of_job_id IS NULL
-           AND a.deleted_at IS NULL)
+   AND (q.waiting_for = 'your_previous_analysis'
+        OR (SELECT s.global_max_running FROM queue_settings s) IS NULL)
+   AND (q.delta_of_job_id IS NOT NULL
+        OR (SELECT count(*) FROM analysis_jobs a
+             WHERE a.user_id = q.user_id
+               AND a.status IN ('pending', 'running')
+               AND a.delta_of_job_id IS NULL) < aq_user_limit_v1(q.user_id))
  LIMIT $1;
 
 -- sweep_pending_due --
@@ -183,7 +217,8 @@ SELECT e.event_id, e.kind, e.created_at AS event_at, j.*, p.queue_position
   LEFT JOIN analysis_jobs j ON j.id = e.job_id
   LEFT JOIN (SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
                FROM analysis_jobs q
-              WHERE q.user_id = $1 AND q.status = 'queued') p ON p.id = e.job_id
+              WHERE q.user_id = $1 AND q.status = 'queued'
+                AND q.delta_of_job_id IS NULL) p ON p.id = e.job_id
  WHERE e.user_id = $1 AND e.event_id > $2
  ORDER BY e.event_id
  LIMIT $3;
@@ -206,5 +241,5 @@ SELECT count(*) AS deleted FROM gone;
 -- A user's queued first-pass jobs in queue order, with their positions: $1 user.
 SELECT j.*, row_number() OVER (ORDER BY j.queue_seq) AS queue_position
   FROM analysis_jobs j
- WHERE j.user_id = $1 AND j.status = 'queued'
+ WHERE j.user_id = $1 AND j.status = 'queued' AND j.delta_of_job_id IS NULL
  ORDER BY j.queue_seq;

@@ -120,6 +120,21 @@ class Harness:
         ) as r:
             assert r.status == 200, await r.text()
 
+    async def admin(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with self.http.request(
+            method, f"{self.instances[0].base_url}{path}", json=body, headers=headers
+        ) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def set_limit(self, user: str, max_running: int | None) -> None:
+        status, body = await self.admin(
+            "PUT", f"/v1/admin/users/{user}/limit", {"max_running": max_running}
+        )
+        assert status == 200, body
+
     async def admit(
         self,
         user: str,
@@ -186,13 +201,18 @@ async def check_invariants(dsn: str) -> None:
                                                WHEN 'refund' THEN l.amount END), 0)"""
         )
         assert not drift, f"balance != grants - debits + refunds: {drift}"
-        double_active = await conn.fetch(
+        over_limit = await conn.fetch(
             """SELECT user_id, count(*) FROM analysis_jobs
                 WHERE status IN ('pending', 'running') AND delta_of_job_id IS NULL
                   AND deleted_at IS NULL
-                GROUP BY user_id HAVING count(*) > 1"""
+                GROUP BY user_id HAVING count(*) > aq_user_limit_v1(user_id)"""
         )
-        assert not double_active, f"two active first-pass jobs: {double_active}"
+        assert not over_limit, f"more active first-pass jobs than the user's limit: {over_limit}"
+        over_ceiling = await conn.fetchval(
+            """SELECT count(*) FROM analysis_jobs WHERE status IN ('pending', 'running')
+               HAVING count(*) > (SELECT global_max_running FROM queue_settings)"""
+        )
+        assert over_ceiling is None, f"{over_ceiling} active jobs over the provider ceiling"
         missing_debit = await conn.fetch(
             """SELECT j.id FROM analysis_jobs j
                 WHERE j.cost > 0 AND NOT EXISTS (
@@ -210,6 +230,51 @@ async def check_invariants(dsn: str) -> None:
         assert not bad_refund, f"failed/cancelled-before-running jobs not refunded: {bad_refund}"
     finally:
         await conn.close()
+
+
+def max_overlap(intervals: list[tuple[Any, Any]]) -> int:
+    """The most intervals [start, end) open at once; ``end`` None means still open."""
+    points = []
+    for start, end in intervals:
+        points.append((start, 1))
+        if end is not None:
+            points.append((end, -1))
+    # At one instant an end frees before a start takes (both are commit-ordered in practice).
+    points.sort(key=lambda p: (p[0], p[1]))
+    most = now = 0
+    for _, step in points:
+        now += step
+        most = max(most, now)
+    return most
+
+
+async def assert_within_limits(dsn: str) -> dict[str, int]:
+    """Over the whole history: each user's first-pass jobs took slots in admission order and
+    never more at once than the user's limit; all jobs together never more than the ceiling
+    (when one is set). Returns the most seen at once, per user and as ``"*"`` overall."""
+    rows = await fetch(
+        dsn,
+        """SELECT user_id, queue_seq, promoted_at, finished_at, delta_of_job_id IS NULL AS first,
+                  aq_user_limit_v1(user_id) AS max_running
+             FROM analysis_jobs
+            WHERE promoted_at IS NOT NULL
+            ORDER BY user_id, queue_seq""",
+    )
+    ceiling = await fetchval(dsn, "SELECT global_max_running FROM queue_settings")
+    seen: dict[str, int] = {}
+    by_user: dict[str, list[asyncpg.Record]] = {}
+    for row in rows:
+        if row["first"]:
+            by_user.setdefault(row["user_id"], []).append(row)
+    for user, jobs in by_user.items():
+        promoted = [j["promoted_at"] for j in jobs]
+        assert promoted == sorted(promoted), f"{user}: promoted out of admission order"
+        seen[user] = max_overlap([(j["promoted_at"], j["finished_at"]) for j in jobs])
+        assert seen[user] <= jobs[0]["max_running"], f"{user}: {seen[user]} at once"
+    seen["*"] = max_overlap([(r["promoted_at"], r["finished_at"]) for r in rows])
+    if ceiling is not None:
+        assert seen["*"] <= ceiling, f"{seen['*']} active at once, ceiling {ceiling}"
+    return seen
 
 
 async def assert_fifo_serial(dsn: str) -> None:

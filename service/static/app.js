@@ -5,7 +5,13 @@
 
 (() => {
   const TOKEN_KEY = "analysis-queue.token";
-  const UPSERT_KINDS = ["admitted", "promoted", "started", "finished", "cancelled", "changed", "position"];
+  const WAITING = {
+    your_previous_analysis: "waits for your previous analysis",
+    provider_capacity: "waits for provider capacity",
+  };
+  const UPSERT_KINDS = [
+    "admitted", "promoted", "started", "finished", "cancelled", "changed", "waiting", "position",
+  ];
   const OPEN = new Set(["queued", "pending", "running"]);
   const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
   const VERDICT_LABELS = {
@@ -198,7 +204,7 @@
   function badgeText(job) {
     switch (job.status) {
       case "queued":
-        return "#" + job.queue_position + " in queue";
+        return job.queue_position ? "#" + job.queue_position + " in queue" : "waiting";
       case "pending":
         return "starting";
       default:
@@ -210,7 +216,9 @@
     const node = el("div", "detail");
     if (job.status === "running") node.textContent = "Running since " + time(job.started_at);
     else if (job.status === "pending") node.textContent = "Starting…";
-    else if (job.status === "queued") node.textContent = "Submitted " + time(job.created_at);
+    else if (job.status === "queued") {
+      node.textContent = "Submitted " + time(job.created_at) + " · " + WAITING[job.waiting_for];
+    }
     else if (job.status === "succeeded") node.append(verdictList(job.verdicts));
     else if (job.status === "failed") {
       node.textContent = "Failed: " + (job.error ? job.error.detail || job.error.code : "unknown reason");
@@ -222,7 +230,10 @@
     const item = el("li", "job status-" + job.status);
     item.dataset.jobId = job.id;
     item.dataset.status = job.status;
-    if (job.status === "queued") item.dataset.position = String(job.queue_position);
+    if (job.status === "queued") {
+      item.dataset.position = String(job.queue_position);
+      item.dataset.waitingFor = job.waiting_for;
+    }
     const title = job.thesis && job.thesis.title ? job.thesis.title : "(untitled)";
     item.append(el("span", "badge", badgeText(job)), el("span", "title", title));
     if (OPEN.has(job.status)) {

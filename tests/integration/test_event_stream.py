@@ -563,8 +563,10 @@ async def test_a_users_event_ids_follow_commit_order(database_url: str) -> None:
         first, second = uuid.uuid4(), uuid.uuid4()
         for job_id in (first, second):
             await holder.execute(
-                """INSERT INTO analysis_jobs (id, user_id, run_id, status, thesis, sources, cost)
-                   VALUES ($1, 'u', $2, 'queued', '{}'::jsonb, '[]'::jsonb, 0)""",
+                """INSERT INTO analysis_jobs
+                          (id, user_id, run_id, status, thesis, sources, cost, waiting_for)
+                   VALUES ($1, 'u', $2, 'queued', '{}'::jsonb, '[]'::jsonb, 0,
+                           'your_previous_analysis')""",
                 job_id,
                 uuid.uuid4(),
             )
@@ -573,7 +575,11 @@ async def test_a_users_event_ids_follow_commit_order(database_url: str) -> None:
         tx = holder.transaction()
         await tx.start()
         # Event 3, not committed: the counter row stays locked until this ends.
-        await holder.execute("UPDATE analysis_jobs SET status = 'pending' WHERE id = $1", first)
+        await holder.execute(
+            """UPDATE analysis_jobs SET status = 'pending', user_slot = 1, waiting_for = NULL
+                WHERE id = $1""",
+            first,
+        )
         other = asyncio.create_task(
             db.finish(job_id=second, status="cancelled", from_statuses=("queued",))
         )

@@ -142,7 +142,12 @@ async def test_migrated_schema_equals_the_template(empty_database: str, database
     tables = {t for t, _ in fresh["tables"]}
     assert {"analysis_jobs", "credit_accounts", "credit_ledger", "core_run_reservations"} <= tables
     indexes = {name for _, name, _ in fresh["indexes"]}
-    assert {"analysis_jobs_one_active_first_pass", "credit_ledger_one_debit"} <= indexes
+    assert {
+        "analysis_jobs_user_slot",
+        "analysis_jobs_global_slot",
+        "analysis_jobs_turns",
+        "credit_ledger_one_debit",
+    } <= indexes
     functions = {name for name, *_ in fresh["functions"]}
     assert {"aq_lock_user_v1", "aq_admit_v1", "aq_finish_v1", "aq_job_notify_v1"} <= functions
     assert len(fresh["triggers"]) >= 2
@@ -159,38 +164,56 @@ async def _insert_job(
     status: str,
     *,
     delta_of: uuid.UUID | None = None,
+    user_slot: int | None = None,
+    global_slot: int | None = None,
+    waiting_for: str | None = None,
 ) -> uuid.UUID:
+    """A row as the queue functions would write it, unless told otherwise: an active
+    first-pass job in user slot 1, a queued one waiting for its user's previous analysis, a
+    queued delta waiting for capacity."""
     job_id = uuid.uuid4()
     terminal = status in ("succeeded", "failed", "cancelled")
+    if user_slot is None and status in ("pending", "running") and delta_of is None:
+        user_slot = 1
+    if waiting_for is None and status == "queued":
+        waiting_for = "provider_capacity" if delta_of else "your_previous_analysis"
     await c.execute(
         """INSERT INTO analysis_jobs
-               (id, user_id, run_id, status, delta_of_job_id, thesis, sources, cost, finished_at)
+               (id, user_id, run_id, status, delta_of_job_id, thesis, sources, cost, finished_at,
+                user_slot, global_slot, waiting_for, turn_key)
            VALUES ($1, $2, $3, $4, $5, '{}'::jsonb, '[]'::jsonb, 1,
-                   CASE WHEN $6 THEN clock_timestamp() END)""",
+                   CASE WHEN $6 THEN clock_timestamp() END, $7, $8, $9::text,
+                   CASE WHEN $9::text = 'provider_capacity' THEN clock_timestamp() END)""",
         job_id,
         user,
         uuid.uuid4(),
         status,
         delta_of,
         terminal,
+        user_slot,
+        global_slot,
+        waiting_for,
     )
     return job_id
 
 
 @pytest.mark.parametrize("second_status", ["pending", "running"])
-async def test_one_active_first_pass_per_user(
+async def test_one_active_first_pass_per_user_slot(
     conn: asyncpg.Connection[Any], second_status: str
 ) -> None:
     first = await _insert_job(conn, "alice", "pending")
     with pytest.raises(asyncpg.UniqueViolationError) as info:
         await _insert_job(conn, "alice", second_status)
-    assert info.value.constraint_name == "analysis_jobs_one_active_first_pass"
+    assert info.value.constraint_name == "analysis_jobs_user_slot"
+    with pytest.raises(asyncpg.CheckViolationError) as unslotted:
+        await _insert_job(conn, "alice", second_status, user_slot=0)
+    assert unslotted.value.constraint_name == "analysis_jobs_user_slot_range"
 
     # Deltas run beside the first pass; other users and queued jobs are not limited.
     await _insert_job(conn, "alice", "pending", delta_of=first)
     await _insert_job(conn, "alice", "running", delta_of=first)
     await _insert_job(conn, "alice", "queued")
-    await _insert_job(conn, "alice", "succeeded")
+    await _insert_job(conn, "alice", "succeeded", user_slot=1)  # history keeps its slot
     await _insert_job(conn, "bob", "pending")
     counts = await conn.fetch(
         """SELECT user_id, count(*) AS n FROM analysis_jobs
@@ -198,6 +221,48 @@ async def test_one_active_first_pass_per_user(
             GROUP BY user_id"""
     )
     assert {r["user_id"]: r["n"] for r in counts} == {"alice": 1, "bob": 1}
+
+
+async def test_active_first_pass_job_holds_a_user_slot(conn: asyncpg.Connection[Any]) -> None:
+    job = await _insert_job(conn, "alice", "queued")
+    with pytest.raises(asyncpg.CheckViolationError) as info:
+        await conn.execute(
+            "UPDATE analysis_jobs SET status = 'pending', waiting_for = NULL WHERE id = $1", job
+        )
+    assert info.value.constraint_name == "analysis_jobs_active_has_user_slot"
+    # A second slot is the plan limit's business (the functions hand out 1..limit); the index
+    # only forbids sharing one.
+    await _insert_job(conn, "alice", "running", user_slot=1)
+    await _insert_job(conn, "alice", "running", user_slot=2)
+
+
+async def test_no_two_active_jobs_share_a_global_slot(conn: asyncpg.Connection[Any]) -> None:
+    done = await _insert_job(conn, "alice", "succeeded", global_slot=1)
+    await _insert_job(conn, "alice", "running", global_slot=1)  # a finished job freed it
+    with pytest.raises(asyncpg.UniqueViolationError) as info:
+        await _insert_job(conn, "bob", "pending", global_slot=1)
+    assert info.value.constraint_name == "analysis_jobs_global_slot"
+    await _insert_job(conn, "alice", "pending", delta_of=done, global_slot=2)  # deltas too
+    with pytest.raises(asyncpg.UniqueViolationError):
+        await _insert_job(conn, "carol", "running", delta_of=done, global_slot=2)
+
+
+async def test_a_queued_job_says_why_it_waits(conn: asyncpg.Connection[Any]) -> None:
+    with pytest.raises(asyncpg.CheckViolationError) as missing:
+        await conn.execute(
+            """INSERT INTO analysis_jobs (id, user_id, run_id, status, thesis, sources, cost)
+               VALUES ($1, 'alice', $2, 'queued', '{}'::jsonb, '[]'::jsonb, 1)""",
+            uuid.uuid4(),
+            uuid.uuid4(),
+        )
+    assert missing.value.constraint_name == "analysis_jobs_waiting_for"
+    with pytest.raises(asyncpg.CheckViolationError) as stale:
+        await _insert_job(conn, "alice", "succeeded", waiting_for="provider_capacity")
+    assert stale.value.constraint_name == "analysis_jobs_waiting_for"
+    ready = await _insert_job(conn, "alice", "queued", waiting_for="provider_capacity")
+    with pytest.raises(asyncpg.CheckViolationError) as no_turn:
+        await conn.execute("UPDATE analysis_jobs SET turn_key = NULL WHERE id = $1", ready)
+    assert no_turn.value.constraint_name == "analysis_jobs_ready_has_turn"
 
 
 async def test_one_debit_and_one_refund_per_job(conn: asyncpg.Connection[Any]) -> None:
@@ -233,16 +298,22 @@ async def test_balance_never_negative(conn: asyncpg.Connection[Any]) -> None:
     assert await conn.fetchval("SELECT balance FROM credit_accounts") == 0
 
 
-async def test_delta_job_is_never_queued(conn: asyncpg.Connection[Any]) -> None:
-    parent = await _insert_job(conn, "alice", "succeeded")
+async def test_delta_never_waits_behind_its_users_queue(conn: asyncpg.Connection[Any]) -> None:
+    parent = await _insert_job(conn, "alice", "succeeded", user_slot=1)
     with pytest.raises(asyncpg.CheckViolationError) as insert:
-        await _insert_job(conn, "alice", "queued", delta_of=parent)
-    assert insert.value.constraint_name == "analysis_jobs_delta_never_queued"
-
-    delta = await _insert_job(conn, "alice", "pending", delta_of=parent)
+        await _insert_job(
+            conn, "alice", "queued", delta_of=parent, waiting_for="your_previous_analysis"
+        )
+    assert insert.value.constraint_name == "analysis_jobs_delta_waits_for_capacity"
+    # It may wait for the provider (the ceiling is full), and only for it.
+    waiting = await _insert_job(conn, "alice", "queued", delta_of=parent)
     with pytest.raises(asyncpg.CheckViolationError) as update:
-        await conn.execute("UPDATE analysis_jobs SET status = 'queued' WHERE id = $1", delta)
-    assert update.value.constraint_name == "analysis_jobs_delta_never_queued"
+        await conn.execute(
+            """UPDATE analysis_jobs SET waiting_for = 'your_previous_analysis', turn_key = NULL
+                WHERE id = $1""",
+            waiting,
+        )
+    assert update.value.constraint_name == "analysis_jobs_delta_waits_for_capacity"
 
 
 # -- the user lock -------------------------------------------------------------------------

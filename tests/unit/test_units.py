@@ -127,7 +127,7 @@ def test_every_query_db_uses_is_defined() -> None:
     source = (REPO / "service" / "db.py").read_text()
     used = set(re.findall(r"self\._(?:fetchrow|fetch|execute)\(\s*\"([a-z0-9_]+)\"", source))
     # Sanity: the scan finds the calls (including ones wrapped over several lines).
-    assert {"reserve", "admit", "finish", "promote_next", "job_claim", "credit_grant"} <= used
+    assert {"reserve", "admit", "finish", "promote", "job_claim", "credit_grant"} <= used
     defined = queries()
     assert used - defined.keys() == set()
     assert all(sql.strip() and not sql.rstrip().endswith(";") for sql in defined.values())
@@ -279,6 +279,7 @@ JOB_KEYS = {
     "run_id",
     "status",
     "queue_position",
+    "waiting_for",
     "delta_of",
     "thesis",
     "sources",
@@ -323,10 +324,11 @@ def _job(status: str, queue_position: int | None, **overrides: Any) -> Job:
     "status", ["queued", "pending", "running", "succeeded", "failed", "cancelled"]
 )
 def test_job_json_shape(status: str) -> None:
-    job = _job(status, 3)
+    job = _job(status, 3, waiting_for="provider_capacity")
     body = job.to_json()
     assert set(body) == JOB_KEYS
     assert body["queue_position"] == (3 if status == "queued" else None)
+    assert body["waiting_for"] == ("provider_capacity" if status == "queued" else None)
     assert body["id"] == str(job.id) and body["run_id"] == str(job.run_id)
     assert body["created_at"] == "2030-01-01T00:00:00+00:00"
     assert body["delta_of"] is None

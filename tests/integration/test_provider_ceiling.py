@@ -1,0 +1,315 @@
+"""The provider ceiling: a global bound on running analyses, plan limits, fair turns.
+
+Runs judge "forever" in these tests (the simulator's judging time is an hour) and the test
+finishes them one at a time through the simulator, so every start is caused by one completion
+and the order of starts is the scheduler's alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from support import (
+    Harness,
+    assert_within_limits,
+    check_invariants,
+    fetch,
+    fetchval,
+    wait_for,
+)
+
+from service.models import OPEN_STATUSES
+
+CEILING = 4
+FOREVER_S = 3600.0
+
+
+async def _active(h: Harness) -> int:
+    return int(
+        await fetchval(
+            h.database_url,
+            "SELECT count(*) FROM analysis_jobs WHERE status IN ('pending', 'running')",
+        )
+    )
+
+
+async def _ready(h: Harness) -> int:
+    return int(
+        await fetchval(
+            h.database_url,
+            """SELECT count(*) FROM analysis_jobs
+                WHERE status = 'queued' AND waiting_for = 'provider_capacity'""",
+        )
+    )
+
+
+async def _settled(h: Harness, ceiling: int = CEILING) -> bool:
+    """No release in flight, and every free slot that someone waits for is taken."""
+    pending = await fetchval(
+        h.database_url, "SELECT count(*) FROM analysis_jobs WHERE status = 'pending'"
+    )
+    return pending == 0 and (await _active(h) >= ceiling or await _ready(h) == 0)
+
+
+async def _finish_oldest_running(h: Harness, ceiling: int = CEILING) -> None:
+    rows = await fetch(
+        h.database_url,
+        """SELECT id, core_run_id FROM analysis_jobs WHERE status = 'running'
+            ORDER BY promoted_at LIMIT 1""",
+    )
+    assert rows, "nothing is running"
+    job_id, run_id = rows[0]["id"], rows[0]["core_run_id"]
+    async with h.http.post(f"{h.sim.base_url}/_sim/runs/{run_id}/finish", json={}) as r:
+        assert r.status == 200, await r.text()
+
+    async def done() -> bool:
+        status = await fetchval(
+            h.database_url, "SELECT status FROM analysis_jobs WHERE id=$1", job_id
+        )
+        return status == "succeeded" and await _settled(h, ceiling)
+
+    await wait_for(done, timeout_s=10, what="completion and the promotion it causes")
+
+
+async def _admit_ok(h: Harness, user: str, n: int = 1) -> dict[str, Any]:
+    status, job = await h.admit(user, n)
+    assert status == 201, job
+    return job
+
+
+async def _cancel_everything(h: Harness) -> None:
+    db = h.instances[0].services.db
+    while True:
+        rows = await fetch(
+            h.database_url,
+            """SELECT id FROM analysis_jobs WHERE status IN ('queued', 'pending', 'running')
+                ORDER BY status = 'queued' DESC""",
+        )
+        if not rows:
+            return
+        for row in rows:
+            await db.finish(job_id=row["id"], status="cancelled", from_statuses=OPEN_STATUSES)
+
+
+async def _waits_of_newcomers(
+    h: Harness, prefix: str, backlog: dict[str, int], per_user: int
+) -> list[int]:
+    """Users in ``backlog`` (user -> plan limit) admit ``per_user`` jobs each; then ten users
+    admit one each. Completions free one slot at a time. Returns, for each of the ten, how many
+    starts (of anyone's jobs) it took until theirs, counting theirs."""
+    for user, limit in backlog.items():
+        await h.grant(prefix + user, per_user)
+        if limit != 1:
+            await h.set_limit(prefix + user, limit)
+        for n in range(per_user):
+            await _admit_ok(h, prefix + user, n)
+    await wait_for(lambda: _settled(h), what="the ceiling filled")
+    assert await _active(h) == CEILING
+    mark = await fetchval(h.database_url, "SELECT clock_timestamp()")
+
+    newcomers = [f"{prefix}newcomer-{i}" for i in range(10)]
+    for user in newcomers:
+        await h.grant(user, 1)
+        job = await _admit_ok(h, user)
+        assert (job["status"], job["waiting_for"]) == ("queued", "provider_capacity"), job
+
+    async def newcomers_started() -> bool:
+        n = await fetchval(
+            h.database_url,
+            """SELECT count(*) FROM analysis_jobs
+                WHERE user_id = ANY ($1) AND promoted_at IS NOT NULL""",
+            newcomers,
+        )
+        return bool(n == len(newcomers))
+
+    while not await newcomers_started():
+        await _finish_oldest_running(h)
+        assert await _active(h) <= CEILING
+
+    starts = await fetch(
+        h.database_url,
+        "SELECT user_id FROM analysis_jobs WHERE promoted_at > $1 ORDER BY promoted_at",
+        mark,
+    )
+    order = [r["user_id"] for r in starts]
+    return [order.index(user) + 1 for user in newcomers]
+
+
+@pytest.mark.parametrize(
+    ("backlog", "per_user"),
+    [
+        pytest.param({"big": 4}, 50, id="one-user-allowed-4-admits-50"),
+        pytest.param({"a": 1, "b": 1, "c": 1, "d": 1}, 10, id="four-users-admit-10-each"),
+    ],
+)
+async def test_ten_newcomers_start_within_bounded_turns_whatever_the_backlog(
+    harness: Harness, backlog: dict[str, int], per_user: int
+) -> None:
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    await h.start_instance(global_max_running=CEILING, sweep_interval_s=0)
+    bound_turns = math.ceil(10 / CEILING) + 1
+
+    waits = await _waits_of_newcomers(h, "x1-", backlog, per_user)
+    await assert_within_limits(h.database_url)
+    await _cancel_everything(h)
+    waits_x10 = await _waits_of_newcomers(h, "x10-", backlog, per_user * 10)
+
+    turns = [math.ceil(w / CEILING) for w in waits]
+    turns_x10 = [math.ceil(w / CEILING) for w in waits_x10]
+    print(f"\nbacklog {per_user}/user: starts until each newcomer's own: {waits}, turns {turns}")
+    print(f"backlog {per_user * 10}/user: starts {waits_x10}, turns {turns_x10}")
+    assert max(turns) <= bound_turns, waits
+    assert max(turns_x10) <= bound_turns, waits_x10
+    assert waits_x10 == waits, "the newcomers' waits depend on the backlog"
+    await assert_within_limits(h.database_url)
+    await check_invariants(h.database_url)
+
+
+async def test_ceiling_bounds_what_runs_and_says_why_jobs_wait(harness: Harness) -> None:
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    await h.start_instance(global_max_running=2, sweep_interval_s=0)
+    for user in ("u1", "u2", "u3"):
+        await h.grant(user, 2)
+    first = {user: await _admit_ok(h, user) for user in ("u1", "u2", "u3")}
+    second = {user: await _admit_ok(h, user, 2) for user in ("u1", "u2", "u3")}
+    assert [first[u]["status"] for u in ("u1", "u2")] == ["pending", "pending"]
+    assert (first["u3"]["status"], first["u3"]["waiting_for"]) == ("queued", "provider_capacity")
+    assert first["u3"]["queue_position"] == 1
+    assert (second["u1"]["waiting_for"], second["u1"]["queue_position"]) == (
+        "your_previous_analysis",
+        1,
+    )
+    assert second["u3"]["waiting_for"] == "your_previous_analysis"
+    await wait_for(lambda: _settled(h, 2), what="two running")
+
+    status, capacity = await h.admin("GET", "/v1/admin/capacity")
+    assert status == 200
+    assert capacity == {
+        "global_max_running": 2,
+        "slots_in_use": 2,
+        "jobs_waiting_for_capacity": 1,
+        "users_waiting_for_capacity": 1,
+    }
+    async with h.http.get(f"{h.instances[0].base_url}/metrics") as r:
+        metrics = await r.text()
+    assert "aq_global_max_running 2.0" in metrics
+    assert "aq_global_slots_in_use 2.0" in metrics
+    assert 'aq_waiting_for_capacity{unit="users"} 1.0' in metrics
+
+    # u1's first run ends: u1's next job now waits for capacity too, but u3 waited longer.
+    await _finish_oldest_running(h, 2)
+    _, u3 = await h.get("u3", f"/v1/analyses/{first['u3']['id']}")
+    assert u3["status"] in ("pending", "running")
+    _, u1 = await h.get("u1", f"/v1/analyses/{second['u1']['id']}")
+    assert (u1["status"], u1["waiting_for"]) == ("queued", "provider_capacity")
+    assert await _active(h) == 2
+    # The change of wait is an event of u1's stream, like a change of status.
+    kinds = await fetch(
+        h.database_url,
+        "SELECT kind, job_id FROM job_events WHERE user_id = 'u1' ORDER BY event_id",
+    )
+    assert ("waiting", second["u1"]["id"]) in [(k, str(j)) for k, j in kinds]
+    await assert_within_limits(h.database_url)
+    await check_invariants(h.database_url)
+
+
+async def test_a_delta_takes_the_next_free_slot_ahead_of_first_pass_jobs(
+    harness: Harness,
+) -> None:
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    await h.start_instance(global_max_running=2, sweep_interval_s=0, recheck_cost=0)
+    for user in ("a", "b", "c", "d"):
+        await h.grant(user, 2)
+    parent = await _admit_ok(h, "a")
+    await wait_for(lambda: _settled(h, 2), what="a running")
+    await _finish_oldest_running(h, 2)  # a's analysis succeeded: it can be re-checked
+    await _admit_ok(h, "b")
+    await _admit_ok(h, "c")
+    waiting = await _admit_ok(h, "d")  # first-pass, waiting for capacity, admitted first
+    assert waiting["waiting_for"] == "provider_capacity"
+    await wait_for(lambda: _settled(h, 2), what="b and c running")
+
+    async with h.http.post(
+        f"{h.instances[0].base_url}/v1/analyses/{parent['id']}/rechecks",
+        json={"sources": ["10.1000/new"]},
+        headers=h.auth("a"),
+    ) as r:
+        assert r.status == 201
+        delta = await r.json()
+    assert (delta["status"], delta["waiting_for"], delta["queue_position"]) == (
+        "queued",
+        "provider_capacity",
+        None,
+    )
+    await _finish_oldest_running(h, 2)  # b's run ends: one slot, two waiting
+    _, d = await h.get("a", f"/v1/analyses/{delta['id']}")
+    assert d["status"] in ("pending", "running")
+    _, w = await h.get("d", f"/v1/analyses/{waiting['id']}")
+    assert w["status"] == "queued"
+    await check_invariants(h.database_url)
+
+
+async def test_a_plan_limit_runs_several_at_once_still_in_order(harness: Harness) -> None:
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    await h.start_instance(sweep_interval_s=0)  # ceiling off
+    await h.grant("team", 6)
+    jobs = [await _admit_ok(h, "team", n) for n in range(6)]
+    assert [j["status"] for j in jobs] == ["pending"] + ["queued"] * 5
+    assert {j["waiting_for"] for j in jobs[1:]} == {"your_previous_analysis"}
+
+    await h.set_limit("team", 3)  # two more start at once, the oldest first
+    await wait_for(lambda: _settled(h, 3), what="three running")
+    status, limit = await h.admin("GET", "/v1/admin/users/team/limit")
+    assert (status, limit) == (
+        200,
+        {"user_id": "team", "max_running": 3, "default": False, "active": 3, "queued": 3},
+    )
+    rows = await fetch(
+        h.database_url,
+        "SELECT status, user_slot FROM analysis_jobs ORDER BY queue_seq",
+    )
+    assert [r["status"] for r in rows] == ["running"] * 3 + ["queued"] * 3
+    assert sorted(r["user_slot"] for r in rows[:3]) == [1, 2, 3]
+    await _finish_oldest_running(h, 3)  # a slot frees: the next in line takes it
+    assert await _active(h) == 3
+    seen = await assert_within_limits(h.database_url)
+    assert seen["team"] == 3
+
+    await h.set_limit("team", None)  # back to one: running jobs finish, none starts meanwhile
+    await _finish_oldest_running(h, 1)
+    await _finish_oldest_running(h, 1)
+    assert await _active(h) == 1
+    await _finish_oldest_running(h, 1)
+    assert await _active(h) == 1  # the next one started
+    await check_invariants(h.database_url)
+
+    status, problem = await h.admin("PUT", "/v1/admin/users/team/limit", {"max_running": 0})
+    assert (status, problem["code"]) == (422, "invalid_body")
+
+
+async def test_the_last_instance_started_sets_the_ceiling(harness: Harness) -> None:
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    await h.start_instance(global_max_running=1, sweep_interval_s=0)
+    for user in ("p", "q", "r"):
+        await h.grant(user, 1)
+        await _admit_ok(h, user)
+    await wait_for(lambda: _settled(h, 1), what="one running")
+    assert await _ready(h) == 2
+
+    # A deploy whose instances have the ceiling off: what waited for capacity starts.
+    await h.start_instance(global_max_running=0, sweep_interval_s=0)
+    await wait_for(lambda: _settled(h, 3), what="all three running")
+    assert await _ready(h) == 0
+    assert await fetchval(h.database_url, "SELECT global_max_running FROM queue_settings") is None
+    waits = await fetchval(
+        h.database_url, "SELECT count(*) FROM analysis_jobs WHERE waiting_for IS NOT NULL"
+    )
+    assert waits == 0
+    await check_invariants(h.database_url)
