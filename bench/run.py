@@ -39,6 +39,7 @@ from service.auth import mint_token  # noqa: E402
 from service.core_client import CoreClient  # noqa: E402
 from service.db import Database, apply_migrations  # noqa: E402
 from service.dispatch import Dispatcher, DispatchSettings  # noqa: E402
+from service.promoter import Promoter  # noqa: E402
 from service.sweeper import Sweeper, SweepSettings  # noqa: E402
 
 SECRETS = {
@@ -220,14 +221,29 @@ async def closed_loop(
 RAW_ADMIT = [
     "SELECT pg_advisory_xact_lock(hashtextextended('analysis_queue:' || $1, 0))",
     """UPDATE credit_accounts SET balance = balance - 1 WHERE user_id = $1 AND balance >= 1""",
-    """INSERT INTO analysis_jobs (id, user_id, run_id, core_run_id, status, thesis, sources, cost)
-       SELECT $2, $1, $3, $4, CASE WHEN EXISTS (
+    """INSERT INTO analysis_jobs (id, user_id, run_id, core_run_id, status, thesis, sources, cost,
+                                  user_slot, waiting_for)
+       SELECT $2, $1, $3, $4, d.status, $5::jsonb, $6::jsonb, 1,
+              CASE WHEN d.status = 'pending' THEN 1 END,
+              CASE WHEN d.status = 'queued' THEN 'your_previous_analysis' END
+         FROM (SELECT CASE WHEN EXISTS (
                   SELECT 1 FROM analysis_jobs b WHERE b.user_id = $1 AND b.delta_of_job_id IS NULL
-                     AND b.deleted_at IS NULL AND b.status IN ('queued', 'pending', 'running'))
-              THEN 'queued' ELSE 'pending' END,
-              $5::jsonb, $6::jsonb, 1""",
+                     AND b.status IN ('queued', 'pending', 'running'))
+              THEN 'queued' ELSE 'pending' END AS status) d""",
     "INSERT INTO credit_ledger (user_id, job_id, kind, amount) VALUES ($1, $2, 'debit', 1)",
 ]
+
+
+def max_overlap(intervals: list[tuple[Any, Any]]) -> int:
+    """The most intervals [start, end) open at once (an end frees before a start takes)."""
+    points = sorted(
+        [(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals if end]
+    )
+    most = now = 0
+    for _, step in points:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def _body(n: int) -> dict[str, Any]:
@@ -349,14 +365,16 @@ async def _wait_all_terminal(dsn: str, total: int, timeout_s: float) -> float:
 
 
 async def promotion_by_callback(
-    server: str, tmp: Path, http: aiohttp.ClientSession, promotions: int
+    server: str, tmp: Path, http: aiohttp.ClientSession, promotions: int, ceiling: int = 0
 ) -> dict[str, Any]:
-    """The production path: Core's callback finishes a job, whose transaction promotes the next."""
+    """The production path: Core's callback finishes a job, whose transaction promotes the next
+    (with a ceiling: when the user's next job is the fairest, else a pass woken by NOTIFY)."""
     users = [f"p{i}" for i in range(10)]
     per_user = promotions // len(users) + 1
+    env = {"JUDGE": "0.3", "GLOBAL_MAX_RUNNING": str(ceiling)}
     async with fresh_database(server) as dsn:
         await grant_all(dsn, users, 10**6)
-        async with running_stack(dsn, tmp, http, JUDGE="0.3") as (base, _sim, _svc):
+        async with running_stack(dsn, tmp, http, **env) as (base, _sim, _svc):
             await _admit_chain(base, http, users, per_user)
             async with http.post(f"{_sim}/_sim/faults", json={"judge_time_s": 0.002}) as r:
                 assert r.status == 200
@@ -365,12 +383,18 @@ async def promotion_by_callback(
 
 
 async def promotion_external(
-    server: str, tmp: Path, http: aiohttp.ClientSession, promotions: int, *, listen: bool
+    server: str,
+    tmp: Path,
+    http: aiohttp.ClientSession,
+    promotions: int,
+    *,
+    listen: bool,
+    ceiling: int = 0,
 ) -> dict[str, Any]:
     """A completion committed by someone else (no tail call): NOTIFY, or only the sweep."""
     users = [f"x{i}" for i in range(10)]
     per_user = promotions // len(users) + 1
-    env = {"JUDGE": "3600"}
+    env = {"JUDGE": "3600", "GLOBAL_MAX_RUNNING": str(ceiling)}
     if not listen:
         env.update(LISTEN_ENABLED="false", SWEEP_INTERVAL_S="0.25")
     async with fresh_database(server) as dsn:
@@ -433,13 +457,19 @@ def _latency_summary(gaps: list[float]) -> dict[str, Any]:
 
 
 async def bench_drain(
-    server: str, tmp: Path, http: aiohttp.ClientSession, users_n: int, per_user: int
+    server: str,
+    tmp: Path,
+    http: aiohttp.ClientSession,
+    users_n: int,
+    per_user: int,
+    ceiling: int = 0,
 ) -> dict[str, Any]:
     users = [f"d{i}" for i in range(users_n)]
     total = users_n * per_user
     async with fresh_database(server) as dsn:
         await grant_all(dsn, users, per_user)
-        async with running_stack(dsn, tmp, http) as (base, _sim, svc):
+        env = {"GLOBAL_MAX_RUNNING": str(ceiling)}
+        async with running_stack(dsn, tmp, http, **env) as (base, _sim, svc):
             tokens = {
                 u: {"Authorization": f"Bearer {mint_token(u, SECRETS['AQ_JWT_SECRET'])}"}
                 for u in users
@@ -480,6 +510,10 @@ async def bench_drain(
             succeeded = await conn.fetchval(
                 "SELECT count(*) FROM analysis_jobs WHERE status='succeeded'"
             )
+            rows = await conn.fetch(
+                "SELECT promoted_at, finished_at FROM analysis_jobs WHERE promoted_at IS NOT NULL"
+            )
+            overall = max_overlap([(r["promoted_at"], r["finished_at"]) for r in rows])
             # Max concurrency per user: the most [promoted_at, finished_at) intervals that overlap.
             overlap = await conn.fetchval(
                 """SELECT coalesce(max(c), 0) FROM (
@@ -498,6 +532,7 @@ async def bench_drain(
         "drained_in_s": wall,
         "jobs_per_s": total / wall,
         "max_concurrency_per_user": overlap,
+        "max_active_overall": overall,
         "peak_rss_mb": rss,
         "cpu_cores_used": cpu,
     }
@@ -516,17 +551,18 @@ async def bench_sweep(server: str, histories: list[int], users_n: int) -> dict[s
                 # plus `history` finished jobs spread over the users.
                 await conn.execute(
                     """INSERT INTO analysis_jobs (id, user_id, run_id, core_run_id, status, thesis,
-                                                  sources, cost, promoted_at, started_at)
+                                                  sources, cost, promoted_at, started_at,
+                                                  user_slot)
                        SELECT gen_random_uuid(), 'u' || g, gen_random_uuid(), 'r-run-' || g,
-                              'running', '{}', '[]', 0, now(), now()
+                              'running', '{}', '[]', 0, now(), now(), 1
                          FROM generate_series(1, $1) g""",
                     users_n,
                 )
                 await conn.execute(
                     """INSERT INTO analysis_jobs (id, user_id, run_id, core_run_id, status, thesis,
-                                                  sources, cost)
+                                                  sources, cost, waiting_for)
                        SELECT gen_random_uuid(), 'u' || g, gen_random_uuid(), 'r-q-' || g,
-                              'queued', '{}', '[]', 0
+                              'queued', '{}', '[]', 0, 'your_previous_analysis'
                          FROM generate_series(1, $1) g""",
                     users_n,
                 )
@@ -561,7 +597,9 @@ async def bench_sweep(server: str, histories: list[int], users_n: int) -> dict[s
             core = CoreClient("http://127.0.0.1:9")  # never called: nothing is due
             await core.start()
             dispatcher = Dispatcher(db, core, DispatchSettings(instance_id="bench"))
-            sweeper = Sweeper(db, core, dispatcher, SweepSettings(running_quiet_s=3600))
+            sweeper = Sweeper(
+                db, core, dispatcher, Promoter(db, dispatcher), SweepSettings(running_quiet_s=3600)
+            )
             times = []
             for _ in range(7):
                 report = await sweeper.run_once()
@@ -607,12 +645,22 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     "sweep_only_0.25s": await promotion_external(
                         server, tmp, http, min(n, 200), listen=False
                     ),
+                    "callback_ceiling_40": await promotion_by_callback(
+                        server, tmp, http, n, ceiling=40
+                    ),
+                    "notify_ceiling_40": await promotion_external(
+                        server, tmp, http, n, listen=True, ceiling=40
+                    ),
                 }
                 print_promotion(results["promotion"])
             if "drain" in only:
                 users = 200 if args.quick else 1000
                 results["drain"] = await bench_drain(server, tmp, http, users, 5)
                 print_drain(results["drain"])
+                results["drain_ceiling_40"] = await bench_drain(
+                    server, tmp, http, users, 5, ceiling=40
+                )
+                print_drain(results["drain_ceiling_40"], "with the provider ceiling at 40")
             if "sweep" in only:
                 big = 100_000 if args.quick else 1_000_000
                 results["sweep"] = await bench_sweep(server, [1000, big], 10_000)
@@ -641,11 +689,12 @@ def print_promotion(r: dict[str, Any]) -> None:
         )
 
 
-def print_drain(r: dict[str, Any]) -> None:
-    print("\n3. Drain")
+def print_drain(r: dict[str, Any], label: str = "") -> None:
+    print(f"\n3. Drain {label}")
     print(
         f"   {r['jobs']} jobs: admitted in {r['admitted_in_s']:.1f}s, all succeeded in {r['drained_in_s']:.1f}s "
-        f"= {r['jobs_per_s']:.0f} jobs/s; max concurrency per user {r['max_concurrency_per_user']}; "
+        f"= {r['jobs_per_s']:.0f} jobs/s; max concurrency per user {r['max_concurrency_per_user']}, "
+        f"overall {r['max_active_overall']}; "
         f"peak RSS {r['peak_rss_mb']:.0f} MB"
     )
     print(

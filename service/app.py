@@ -191,7 +191,7 @@ async def _apply_ceiling(services: Services) -> None:
     services.promoter.ceiling = ceiling
     log.info("provider ceiling", extra={"action": "ceiling", "global_max_running": ceiling})
     for user_id in await services.db.users_to_promote(10_000):
-        await services.promoter.promote(user_id, "ceiling")
+        await services.promoter.promote((user_id,), "ceiling")
     await services.promoter.run_pass("ceiling")
 
 

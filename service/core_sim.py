@@ -227,7 +227,10 @@ class CoreSimulator:
         self._callback_secret = callback_secret
         self._runs: dict[str, _SimRun] = {}
         self._core_id_by_run_id: dict[str, str] = {}
+        # One entry per run in state "judging": added when judging starts, removed when the run
+        # completes, fails or is cancelled. Its size is the number judging now.
         self._judging: dict[str, asyncio.Task[None]] = {}
+        self.max_judging = 0  # the most runs judging at once since start
         self._deliveries: set[asyncio.Task[None]] = set()
         self._callback_cursor = 0
         self._host = "127.0.0.1"
@@ -245,6 +248,7 @@ class CoreSimulator:
         app.router.add_get("/v1/runs/{id}", self._handle_get)
         app.router.add_post("/_sim/faults", self._handle_faults)
         app.router.add_get("/_sim/runs", self._handle_runs)
+        app.router.add_get("/_sim/stats", self._handle_stats)
         app.router.add_post("/_sim/runs/{id}/finish", self._handle_finish)
         return app
 
@@ -315,6 +319,15 @@ class CoreSimulator:
 
     def runs_snapshot(self) -> list[dict[str, Any]]:
         return [asdict(run) for run in self._runs.values()]
+
+    @property
+    def judging(self) -> int:
+        """Runs judging now."""
+        return len(self._judging)
+
+    def stats(self) -> dict[str, int]:
+        """What the provider saw: runs judging now and the most judging at once since start."""
+        return {"judging": self.judging, "max_judging": self.max_judging}
 
     # --- Core API --------------------------------------------------------------------------
 
@@ -406,6 +419,9 @@ class CoreSimulator:
     async def _handle_runs(self, request: web.Request) -> web.Response:
         return _json(self.runs_snapshot())
 
+    async def _handle_stats(self, request: web.Request) -> web.Response:
+        return _json(self.stats())
+
     async def _handle_finish(self, request: web.Request) -> web.Response:
         run = self._lookup(request)
         if run is None:
@@ -433,6 +449,7 @@ class CoreSimulator:
         run.state = "judging"
         run.released_at = time.time()
         self._judging[run.id] = asyncio.create_task(self._judge(run), name=f"judge-{run.id}")
+        self.max_judging = max(self.max_judging, len(self._judging))
 
     async def _judge(self, run: _SimRun) -> None:
         await asyncio.sleep(self.judge_time_s)

@@ -254,15 +254,15 @@ class Database:
 
     # -- promotion and completion ------------------------------------------------------------
 
-    async def promote(self, user_id: str | None, limit: int) -> tuple[int | None, list[Job]]:
-        """Fill free slots: the user's (ceiling off) or the fairest (ceiling on, a pass).
-        Returns the ceiling in force and the jobs promoted."""
+    async def promote(self, user_ids: Sequence[str], limit: int) -> tuple[int | None, list[Job]]:
+        """Fill free slots: the users' own (ceiling off), or the fairest after re-deriving the
+        users' waits (ceiling on: a pass). Returns the ceiling in force and the jobs promoted."""
         try:
-            rows = await self._fetch("promote", user_id, limit)
+            rows = await self._fetch("promote", list(user_ids), limit)
         except asyncpg.UniqueViolationError:
             # A slot index refused a second holder: a writer that does not take the locks (a
             # manual fix) won. The index kept the invariant; the next pass sees the truth.
-            log.warning("promotion lost to a slot index", extra={"user_id": user_id})
+            log.warning("promotion lost to a slot index", extra={"users": list(user_ids)[:10]})
             return None, []
         ceiling = rows[0]["ceiling"] if rows else None
         return ceiling, [Job.from_row(r) for r in rows if r["id"] is not None]

@@ -110,7 +110,7 @@ class Listener:
         )
         if self.promoter.ceiling_on and (leaves_active or new == "queued"):
             # A global slot freed, or a job that may wait for one arrived: a pass decides.
-            self.promoter.pass_soon()
+            self.promoter.pass_soon(user_id=user_id if leaves_active and first_pass else None)
         elif first_pass and leaves_active:
             self._freed[user_id] = True
             if not self._flush_scheduled:

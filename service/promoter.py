@@ -7,8 +7,10 @@ requests that arrive while one is in flight into one more call:
   call per user, several users at once (``promote_user``).
 - **Ceiling on**: a freed slot is the provider's and goes to whoever's turn it is, so there is
   one kind of request, a *pass* (``run_pass``): at most one in flight per instance, repeated
-  while it fills whole batches or was asked again meanwhile. Passes of several instances queue
-  on the global lock; a late one finds nothing to do at the cost of a round trip.
+  while it fills whole batches or was asked again meanwhile. A pass first re-derives the waits
+  of the users whose slot freed (collected meanwhile), in case their completion was written by
+  something that did not. Passes of several instances queue on the global lock; a late one
+  finds nothing to do at the cost of a round trip.
 
 Every call returns the ceiling in force, so the instance learns a change of mode from its next
 promotion; a stale belief costs one misdirected call, never a wrong decision.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from . import errors
@@ -41,6 +43,7 @@ class Promoter:
         self._again: set[str] = set()
         self._pass_running = False
         self._pass_again = False
+        self._pass_users: set[str] = set()  # to re-derive at the next pass
         self._tasks: set[asyncio.Task[None]] = set()
         self.promotions = 0
 
@@ -53,7 +56,7 @@ class Promoter:
     def slot_freed(self, user_id: str, trigger: str = "notify") -> None:
         """A user's job left pending/running: fill what it freed."""
         if self.ceiling_on:
-            self.pass_soon(trigger)
+            self.pass_soon(trigger, user_id)
         else:
             self.promote_user_soon(user_id, trigger)
 
@@ -65,8 +68,10 @@ class Promoter:
         self._promoting.add(user_id)
         self._spawn(self._promote_user(user_id, trigger))
 
-    def pass_soon(self, trigger: str = "notify") -> None:
+    def pass_soon(self, trigger: str = "notify", user_id: str | None = None) -> None:
         """Run a promotion pass; requests while one runs fold into one more."""
+        if user_id is not None:
+            self._pass_users.add(user_id)
         if self._pass_running:
             self._pass_again = True
             return
@@ -80,10 +85,10 @@ class Promoter:
 
     # -- calls ------------------------------------------------------------------------------
 
-    async def promote(self, user_id: str | None, trigger: str) -> list[Job]:
+    async def promote(self, user_ids: Sequence[str], trigger: str) -> list[Job]:
         """One call to the database; hands what it promoted to the dispatcher."""
         async with self._sem:
-            self.ceiling, jobs = await self.db.promote(user_id, PASS_BATCH)
+            self.ceiling, jobs = await self.db.promote(user_ids, PASS_BATCH)
         for job in jobs:
             self.promotions += 1
             self.dispatcher.metrics.promotions.labels(trigger).inc()
@@ -99,13 +104,13 @@ class Promoter:
             self.dispatcher.submit(job.id)
         return jobs
 
-    async def run_pass(self, trigger: str, user_id: str | None = None) -> int:
+    async def run_pass(self, trigger: str, user_ids: Sequence[str] = ()) -> int:
         """Promote until a call fills less than a whole batch; returns how many."""
         total = 0
         while True:
-            jobs = await self.promote(user_id, trigger)
+            jobs = await self.promote(user_ids, trigger)
             total += len(jobs)
-            user_id = None
+            user_ids = ()
             if len(jobs) < PASS_BATCH:
                 return total
 
@@ -114,9 +119,10 @@ class Promoter:
             while True:
                 self._again.discard(user_id)
                 if self.ceiling_on:
-                    self.pass_soon(trigger)  # learned meanwhile: the slot is the provider's
+                    # Learned meanwhile: the slot is the provider's.
+                    self.pass_soon(trigger, user_id)
                     break
-                await self.promote(user_id, trigger)
+                await self.promote((user_id,), trigger)
                 if user_id not in self._again:
                     break
         except errors.DatabaseUnavailable:
@@ -130,7 +136,8 @@ class Promoter:
         try:
             while True:
                 self._pass_again = False
-                await self.run_pass(trigger)
+                users, self._pass_users = sorted(self._pass_users), set()
+                await self.run_pass(trigger, users)
                 if not self._pass_again:
                     break
         except errors.DatabaseUnavailable:

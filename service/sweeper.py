@@ -109,7 +109,7 @@ class Sweeper:
 
     async def _promote(self, report: SweepReport) -> None:
         for user_id in await self.db.users_to_promote(self.settings.batch):
-            report.promoted += len(await self.promoter.promote(user_id, "sweep"))
+            report.promoted += len(await self.promoter.promote((user_id,), "sweep"))
         report.promoted += await self.promoter.run_pass("sweep")
 
     async def _dispatch(self, report: SweepReport) -> None:

@@ -329,22 +329,27 @@ END
 $$;
 
 -- A promotion pass, in its own transaction, holding no lock: fill free slots.
---   ceiling on:  take the global lock; when p_user_id is given, first re-derive that user's
---                waits (the sweep's repair); then give each free global slot to the fairest
---                ready job, at most p_max, locking each chosen user in turn.
---   ceiling off: fill p_user_id's free slots from its queue (p_user_id NULL: nothing to do).
--- Returns the ceiling in force and, one per row, the jobs promoted (one row with job NULL when
--- none), so the caller learns the mode from every call.
-CREATE FUNCTION aq_promote_v2(p_user_id text, p_max integer,
+--   ceiling on:  take the global lock; re-derive the waits of p_users (users whose slot freed:
+--                their completion may have been written by something that did not); then give
+--                each free global slot to the fairest ready job, at most p_max, locking each
+--                chosen user in turn.
+--   ceiling off: fill the free slots of each of p_users from its queue.
+-- Users are locked in sorted order. Returns the ceiling in force and, one per row, the jobs
+-- promoted (one row with job NULL when none), so the caller learns the mode from every call.
+CREATE FUNCTION aq_promote_v2(p_users text[], p_max integer,
                               OUT ceiling integer, OUT job analysis_jobs)
 RETURNS SETOF record
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
+    v_user text;
+    v_users text[];
     v_pick record;
     v_job analysis_jobs;
     v_skipped uuid[] := '{}';
     v_n integer := 0;
 BEGIN
+    SELECT coalesce(array_agg(DISTINCT u ORDER BY u), '{}') INTO v_users
+      FROM unnest(p_users) u WHERE u IS NOT NULL;
     SELECT s.global_max_running INTO ceiling FROM queue_settings s;
     IF ceiling IS NULL THEN
         PERFORM aq_lock_global_shared_v1();
@@ -361,18 +366,19 @@ BEGIN
         SELECT s.global_max_running INTO ceiling FROM queue_settings s;  -- after the wait
     END IF;
 
-    IF ceiling IS NULL AND p_user_id IS NOT NULL THEN
-        -- Off (or turned off while this waited for the lock): the user's own slots.
-        PERFORM aq_lock_user_v1(p_user_id);
-        FOR v_job IN SELECT * FROM aq_fill_user_locked_v1(p_user_id) LOOP
-            job := v_job;
-            v_n := v_n + 1;
-            RETURN NEXT;
-        END LOOP;
-    ELSIF ceiling IS NOT NULL AND p_user_id IS NOT NULL THEN
-        PERFORM aq_lock_user_v1(p_user_id);
-        PERFORM aq_refresh_waits_locked_v1(p_user_id, ceiling);
-    END IF;
+    FOREACH v_user IN ARRAY v_users LOOP
+        PERFORM aq_lock_user_v1(v_user);
+        IF ceiling IS NULL THEN
+            -- Off (or turned off while this waited for the lock): the user's own slots.
+            FOR v_job IN SELECT * FROM aq_fill_user_locked_v1(v_user) LOOP
+                job := v_job;
+                v_n := v_n + 1;
+                RETURN NEXT;
+            END LOOP;
+        ELSE
+            PERFORM aq_refresh_waits_locked_v1(v_user, ceiling);
+        END IF;
+    END LOOP;
     WHILE ceiling IS NOT NULL AND v_n < p_max LOOP
         SELECT q.id, q.user_id INTO v_pick FROM analysis_jobs q
          WHERE q.status = 'queued' AND q.waiting_for = 'provider_capacity'
@@ -457,7 +463,7 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_job analysis_jobs;
 BEGIN
-    SELECT (p.job).* INTO v_job FROM aq_promote_v2(p_user_id, 64) p
+    SELECT (p.job).* INTO v_job FROM aq_promote_v2(ARRAY[p_user_id], 64) p
      WHERE (p.job).id IS NOT NULL LIMIT 1;
     RETURN v_job;
 END

@@ -15,7 +15,7 @@ SELECT (r.job).*, r.queue_position
 SELECT * FROM aq_reserve_v1($1, $2, $3, $4, $5, $6, $7, $8);
 
 -- promote --
--- Fill free slots (aq_promote_v2): $1 user whose slot freed, or NULL for a pass; $2 at most.
+-- Fill free slots (aq_promote_v2): $1 users whose slot freed (may be empty); $2 at most.
 -- -> the ceiling in force on every row, and the promoted jobs (one all-NULL job when none).
 SELECT p.ceiling, (p.job).*, NULL::bigint AS queue_position FROM aq_promote_v2($1, $2) p;
 

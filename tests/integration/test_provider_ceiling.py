@@ -313,3 +313,36 @@ async def test_the_last_instance_started_sets_the_ceiling(harness: Harness) -> N
     )
     assert waits == 0
     await check_invariants(h.database_url)
+
+
+async def test_a_completion_written_behind_the_service_fills_the_slot_by_notify(
+    harness: Harness,
+) -> None:
+    """An external writer (an older version, an operator) ends a job without the queue's
+    functions: no wait is re-derived and nothing is promoted in its transaction; the NOTIFY it
+    triggers makes a pass re-derive that user's waits and fill the slot, sweep off."""
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    inst = await h.start_instance(global_max_running=2, sweep_interval_s=0)
+    await h.grant("e", 2)
+    first = await _admit_ok(h, "e")
+    second = await _admit_ok(h, "e", 2)
+    assert second["waiting_for"] == "your_previous_analysis"
+    await wait_for(lambda: _settled(h, 2), what="first running")
+    passes_before = inst.services.sweeper.passes
+    await fetchval(
+        h.database_url,
+        """UPDATE analysis_jobs SET status = 'succeeded', finished_at = clock_timestamp()
+            WHERE id = $1::uuid RETURNING id""",
+        first["id"],
+    )
+
+    async def second_started() -> bool:
+        status = await fetchval(
+            h.database_url, "SELECT status FROM analysis_jobs WHERE id = $1::uuid", second["id"]
+        )
+        return status in ("pending", "running")
+
+    await wait_for(second_started, timeout_s=5, what="promotion by NOTIFY")
+    assert inst.services.sweeper.passes == passes_before, "the sweep did not run"
+    await check_invariants(h.database_url)
