@@ -346,3 +346,31 @@ async def test_a_completion_written_behind_the_service_fills_the_slot_by_notify(
     await wait_for(second_started, timeout_s=5, what="promotion by NOTIFY")
     assert inst.services.sweeper.passes == passes_before, "the sweep did not run"
     await check_invariants(h.database_url)
+
+
+@pytest.mark.parametrize("ceiling", [None, 1], ids=["ceiling-off", "ceiling-on"])
+async def test_the_previous_versions_promotion_call_follows_the_new_rules(
+    harness: Harness, ceiling: int | None
+) -> None:
+    """During a rolling deploy, instances of the version before the ceiling still call
+    ``aq_promote_next_v1`` when a user's slot frees; it now takes the same path as everything
+    else (a pass when the ceiling is on)."""
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    await h.start_instance(
+        global_max_running=ceiling or 0, sweep_interval_s=0, listen_enabled=False
+    )
+    await h.grant("old", 2)
+    first = await _admit_ok(h, "old")
+    second = await _admit_ok(h, "old", 2)
+    await fetchval(
+        h.database_url,
+        """UPDATE analysis_jobs SET status = 'succeeded', finished_at = clock_timestamp()
+            WHERE id = $1::uuid RETURNING id""",
+        first["id"],
+    )
+    promoted = await fetch(h.database_url, "SELECT * FROM aq_promote_next_v1('old')")
+    assert [str(r["id"]) for r in promoted] == [second["id"]]
+    assert promoted[0]["status"] == "pending"
+    assert (promoted[0]["global_slot"] is not None) == (ceiling is not None)
+    await check_invariants(h.database_url)
