@@ -374,3 +374,47 @@ async def test_the_previous_versions_promotion_call_follows_the_new_rules(
     assert promoted[0]["status"] == "pending"
     assert (promoted[0]["global_slot"] is not None) == (ceiling is not None)
     await check_invariants(h.database_url)
+
+
+async def test_a_slot_held_by_a_dead_instances_job_is_recovered_by_the_sweep(
+    harness: Harness,
+) -> None:
+    """An instance dies mid-release: its job stays pending, claimed, holding the only global
+    slot. Nothing can start until the sweep of a live instance takes the job over after the claim
+    lease, releases it, and its completion frees the slot."""
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    h.sim.faults.release_status = 503  # the release never gets through before the "crash"
+    first = await h.start_instance(global_max_running=1, sweep_interval_s=0)
+    await h.grant("a", 1)
+    await h.grant("b", 1)
+    stuck = await _admit_ok(h, "a")
+    assert stuck["status"] == "pending"
+    await h.stop_instance(first)
+    await fetchval(
+        h.database_url,
+        """UPDATE analysis_jobs
+              SET claimed_by = 'dead-instance', next_release_at = NULL,
+                  claim_expires_at = clock_timestamp() + interval '1 second'
+            WHERE id = $1::uuid RETURNING id""",
+        stuck["id"],
+    )
+    h.sim.faults.release_status = None
+
+    await h.start_instance(global_max_running=1, sweep_interval_s=0.3)
+    waiting = await _admit_ok(h, "b")
+    assert (waiting["status"], waiting["waiting_for"]) == ("queued", "provider_capacity")
+
+    async def stuck_running() -> bool:
+        status = await fetchval(
+            h.database_url, "SELECT status FROM analysis_jobs WHERE id = $1::uuid", stuck["id"]
+        )
+        return status == "running"
+
+    await wait_for(stuck_running, timeout_s=10, what="the sweep releasing the dead claim's job")
+    _, still = await h.get("b", f"/v1/analyses/{waiting['id']}")
+    assert still["status"] == "queued"
+    await _finish_oldest_running(h, 1)
+    _, started = await h.get("b", f"/v1/analyses/{waiting['id']}")
+    assert started["status"] in ("pending", "running")
+    await check_invariants(h.database_url)
