@@ -104,6 +104,13 @@ async def test_lecturer_submits_five_theses_and_watches_them_run(harness: Harnes
             await expect(running).to_have_attribute("data-status", "running")
             await expect(page.locator("#queued li")).to_have_count(4)
             assert await _positions(page) == [(str(i), titles[i]) for i in range(1, 5)]
+            # Each says why it waits.
+            queued = page.locator("#queued li")
+            waits = await queued.evaluate_all("els => els.map(e => e.dataset.waitingFor)")
+            assert waits == ["your_previous_analysis"] * 4
+            await expect(queued.first.locator(".detail")).to_contain_text(
+                "waits for your previous analysis"
+            )
             await expect(page.locator("#credit-balance")).to_have_text("5")
             await page.screenshot(path=str(ARTIFACTS / "dashboard-five-theses.png"), full_page=True)
 
