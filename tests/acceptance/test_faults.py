@@ -27,7 +27,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -39,6 +38,16 @@ from typing import Any
 import aiohttp
 import asyncpg
 import pytest
+from procs import (
+    RELEASE_BACKOFF_MAX_S,
+    RELEASE_WINDOW_S,
+    SECRETS,
+    SERVICE_ENV,
+    Node,
+    Proc,
+    base_env,
+    cli,
+)
 from support import assert_fifo_serial, check_invariants, fetch, fetchval, free_port, thesis_body
 
 from service.auth import mint_token
@@ -46,23 +55,6 @@ from service.db import apply_migrations
 
 pytestmark = pytest.mark.acceptance
 
-SECRETS = {
-    "AQ_JWT_SECRET": "faults-jwt-secret-0123456789abcdef0123",
-    "AQ_ADMIN_TOKEN": "faults-admin-token",
-    "AQ_CORE_CALLBACK_SECRET": "faults-callback-secret",
-}
-RELEASE_WINDOW_S = 6.0
-RELEASE_BACKOFF_MAX_S = 1.0
-SERVICE_ENV = {
-    "AQ_SWEEP_INTERVAL_S": "1",
-    "AQ_RUNNING_QUIET_S": "1",
-    "AQ_RESERVATION_STALE_S": "2",
-    "AQ_RELEASE_WINDOW_S": str(RELEASE_WINDOW_S),
-    "AQ_RELEASE_BACKOFF_BASE_S": "0.2",
-    "AQ_RELEASE_BACKOFF_MAX_S": str(RELEASE_BACKOFF_MAX_S),
-    "AQ_LISTENER_PING_S": "0.5",
-    "AQ_CLAIM_LEASE_S": "3",
-}
 USERS = [f"fault-user-{i}" for i in range(8)]
 GRANT = 100_000
 LOAD_PERIOD_S = 0.05
@@ -76,77 +68,6 @@ TOLERATED_503 = {"database_unavailable", "shutting_down", "core_unavailable"}
 
 def _now() -> datetime:
     return datetime.now(UTC)
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "service.cli", *args]
-
-
-def _base_env(tmp: Path, **values: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AQ_")}
-    env.update(SECRETS, AQ_DATA_DIR=str(tmp), AQ_LOG_LEVEL="INFO")
-    env.update(values)
-    return env
-
-
-class Proc:
-    """One real process, its output in a log file."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.popen = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def send(self, sig: int) -> None:
-        if self.alive:
-            self.popen.send_signal(sig)
-
-    async def wait_exit(self, timeout_s: float) -> int | None:
-        """The exit code, or None if still running after ``timeout_s`` (never blocks the loop)."""
-        deadline = time.monotonic() + timeout_s
-        while self.popen.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return self.popen.poll()
-
-    def kill(self) -> None:
-        if self.alive:
-            self.popen.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(5)
-        self._log.close()
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def count(self, needle: str) -> int:
-        return sum(needle in line for line in self.text().splitlines())
-
-    def excerpt(self, *needles: str, limit: int = 8) -> str:
-        """The last lines that mention a needle (default: warnings and errors)."""
-        wanted = needles or ('"level":"warning"', '"level":"error"', '"level":"critical"')
-        lines = [ln for ln in self.text().splitlines() if any(n in ln for n in wanted)]
-        if not needles:
-            lines = [ln for ln in lines if "core unreachable" not in ln]
-        shown = "\n    ".join(ln[:600] for ln in lines[-limit:])
-        return f"  [{self.name}] {self.log_path}\n    {shown or '(nothing)'}"
-
-
-@dataclass
-class Node:
-    name: str
-    port: int
-    proc: Proc | None = None
-    live: bool = False
-    starts: int = 0
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
 class Load:
@@ -283,8 +204,8 @@ class Cluster:
 
     async def start(self) -> None:
         callbacks = [a for n in self.nodes for a in ("--callback-url", f"{n.base}/v1/core/events")]
-        args = _cli("core-sim", "--port", str(self.sim_port), "--judge-time", "0.1", *callbacks)
-        self.sim = Proc("core-sim", args, _base_env(self.tmp), self.tmp / "core-sim.log")
+        args = cli("core-sim", "--port", str(self.sim_port), "--judge-time", "0.1", *callbacks)
+        self.sim = Proc("core-sim", args, base_env(self.tmp), self.tmp / "core-sim.log")
         self.procs.append(self.sim)
         await self._ready(self.sim_url, self.sim, "/_sim/runs")
         for node in self.nodes:
@@ -293,7 +214,7 @@ class Cluster:
     async def start_node(self, node: Node) -> None:
         node.starts += 1
         name = f"{node.name}{node.starts}"
-        env = _base_env(
+        env = base_env(
             self.tmp,
             **SERVICE_ENV,
             AQ_DATABASE_URL=self.dsn,
@@ -301,7 +222,7 @@ class Cluster:
             AQ_PORT=str(node.port),
             AQ_INSTANCE_ID=f"fault-{name}",
         )
-        node.proc = Proc(f"serve-{name}", _cli("serve"), env, self.tmp / f"serve-{name}.log")
+        node.proc = Proc(f"serve-{name}", cli("serve"), env, self.tmp / f"serve-{name}.log")
         self.procs.append(node.proc)
         await self._ready(node.base, node.proc)
         node.live = True

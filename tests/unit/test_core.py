@@ -393,6 +393,36 @@ async def test_control_api(
     assert [(r["id"], r["state"]) for r in runs] == [(run.id, "failed")]
 
 
+async def test_stats_count_runs_judging_at_once(
+    client: CoreClient, sim: CoreSimulator, receiver: Receiver, http: ClientSession
+) -> None:
+    async def stats() -> dict[str, int]:
+        async with http.get(sim.base_url + "/_sim/stats") as response:
+            assert response.status == 200
+            return dict(await response.json())
+
+    sim.judge_time_s = SLOW_JUDGE_S
+    runs = [await _create(client, f"run-{i}") for i in range(3)]
+    assert await stats() == {"judging": 0, "max_judging": 0}  # held is not judging
+    for run in runs:
+        await client.release(run.id)
+    await client.release(runs[0].id)  # a repeated release is the same run judging
+    assert await stats() == {"judging": 3, "max_judging": 3}
+
+    await client.cancel(runs[0].id)
+    async with http.post(f"{sim.base_url}/_sim/runs/{runs[1].id}/finish") as response:
+        assert response.status == 200
+    assert (await receiver.next()).run().id == runs[1].id
+    assert await stats() == {"judging": 1, "max_judging": 3}
+
+    sim.judge_time_s = FAST_JUDGE_S
+    fast = await _create(client, "run-fast")
+    await client.release(fast.id)
+    assert (await receiver.next()).run().id == fast.id  # judged to the end on its own
+    assert await stats() == {"judging": 1, "max_judging": 3}
+    assert sim.stats() == await stats()
+
+
 # --- signatures ------------------------------------------------------------------------------
 
 
