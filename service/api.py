@@ -19,7 +19,7 @@ from .completion import apply_core_run
 from .core_client import CoreRun, verify_callback
 from .logs import request_id_var
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .models import OPEN_STATUSES, Job, StaleReservation
+from .models import ACTIVE_STATUSES, Finish, Job, StaleReservation
 from .schemas import (
     CONTROL_CHARS,
     MAX_USER_ID_CHARS,
@@ -221,29 +221,37 @@ async def get_analysis(request: web.Request) -> web.Response:
 
 @routes.delete("/v1/analyses/{job_id}")
 async def delete_analysis(request: web.Request) -> web.Response:
-    """Soft delete. A queued or pending job is cancelled and refunded; a running one is
-    cancelled in Core. The slot frees and the user's next job is promoted."""
+    """Soft delete. A queued job is cancelled and refunded, then its held run cancelled in Core.
+    A pending or running job is cancelled in Core *first*: its slot (the user's, and the
+    provider's when the ceiling is on) frees only after Core stopped the run, so a job promoted
+    into the slot never judges beside it. If Core cannot be told, the answer is 503 and the job
+    goes on."""
     user_id = _user(request)
     services = _services(request)
-    result = await services.db.finish(
-        job_id=_job_id(request),
-        user_id=user_id,
-        status="cancelled",
-        from_statuses=tuple(OPEN_STATUSES),
-        delete=True,
-        error_code="cancelled_by_user",
-        error_detail="Cancelled by the user.",
-    )
+    job_id = _job_id(request)
+
+    async def cancel(from_statuses: tuple[str, ...]) -> Finish | None:
+        return await services.db.finish(
+            job_id=job_id,
+            user_id=user_id,
+            status="cancelled",
+            from_statuses=from_statuses,
+            delete=True,
+            error_code="cancelled_by_user",
+            error_detail="Cancelled by the user.",
+        )
+
+    result = await cancel(("queued",))
     if result is None or (not result.changed and result.job.deleted_at is not None):
         raise errors.NotFound()
-    job = result.job
-    if result.promoted is not None:
-        services.dispatcher.submit(result.promoted.id)
-    if result.changed and services.promoter.ceiling_on:
-        services.promoter.pass_soon("cancel")  # a global slot or a user's room freed
-    if result.changed and result.old_status in OPEN_STATUSES and job.core_run_id:
+    if not result.changed and result.job.status in ACTIVE_STATUSES and result.job.core_run_id:
+        await services.core.cancel(result.job.core_run_id)  # CoreUnavailable: 503, job goes on
+        result = await cancel(tuple(ACTIVE_STATUSES))
+        assert result is not None  # jobs are never hard-deleted
+    elif result.changed and result.job.core_run_id:
+        job = result.job  # a held run: Core judges nothing, so its cancel may come after
         try:
-            await services.core.cancel(job.core_run_id)
+            await services.core.cancel(result.job.core_run_id)
         except errors.AppError:
             # Leave it to the sweep, which cancels held runs it finds in the reservations.
             await services.db.put_back_reservation(
@@ -251,6 +259,11 @@ async def delete_analysis(request: web.Request) -> web.Response:
                     job.run_id, job.id, job.user_id, job.core_run_id, job.thesis, job.sources
                 )
             )
+    job = result.job
+    if result.promoted is not None:
+        services.dispatcher.submit(result.promoted.id)
+    if result.changed and services.promoter.ceiling_on:
+        services.promoter.pass_soon("cancel")  # a global slot or a user's room freed
     log.info(
         "deleted",
         extra={

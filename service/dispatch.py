@@ -10,7 +10,6 @@ time), so a redeploy continues it; at ``promoted_at + release_window_s`` the job
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from . import errors
 from .core_client import CoreClient
 from .db import Database
 from .metrics import Metrics
-from .models import Job
+from .models import Job, StaleReservation
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +126,26 @@ class Dispatcher:
         except errors.CoreUnavailable as exc:
             now = datetime.now(UTC)
             if now >= deadline:
-                await self._fail(job, "release_timeout", "Core did not accept the release in time.")
-                with contextlib.suppress(errors.AppError):
+                # Stop the run in Core before its slot frees: a release that reached Core
+                # unseen must not judge beside the job promoted next. Core still unreachable:
+                # the sweep keeps trying to cancel it (the reservation).
+                try:
                     await self.core.cancel(job.core_run_id)
+                    cancelled = True
+                except errors.AppError:
+                    cancelled = False
+                await self._fail(job, "release_timeout", "Core did not accept the release in time.")
+                if not cancelled:
+                    await self.db.put_back_reservation(
+                        StaleReservation(
+                            job.run_id,
+                            job.id,
+                            job.user_id,
+                            job.core_run_id,
+                            job.thesis,
+                            job.sources,
+                        )
+                    )
                 self.gave_up += 1
                 return "gave_up"
             at = await self._retry_later(job, exc.detail)

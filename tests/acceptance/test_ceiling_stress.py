@@ -52,6 +52,9 @@ ADMIT_PAUSE_S = (0.05, 0.3)  # between one loop's clicks
 # after the load; below it the ceiling is the bottleneck, and jobs wait for provider capacity.
 MAX_QUEUED = 60
 CANCEL_SHARE = 0.15  # of admitted jobs, cancelled (DELETE) 0-1.5s later
+# Every so often a user cancels one of their *running* jobs: its slot must not free before Core
+# stopped judging it, or the job promoted into the slot judges beside it (Core over the ceiling).
+CANCEL_RUNNING_EVERY_S = 0.1
 FINISH_EARLY_EVERY_S = 0.25  # the simulator ends one judging run early this often
 FAILED_SHARE = 0.1  # of the runs ended early, ended as failed
 JUDGE_TIMES_S = (0.05, 0.1, 0.2, 0.3)
@@ -168,6 +171,7 @@ class Stress:
         }
         self.admin = {"Authorization": f"Bearer {SECRETS['AQ_ADMIN_TOKEN']}"}
         self.admitted: dict[str, str] = {}  # job id -> user, every id answered 201
+        self.cancelling: set[str] = set()
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.unexpected: list[str] = []
         self.events: list[str] = []  # what the chaos did, when
@@ -350,8 +354,11 @@ class Stress:
             return True
         return False
 
-    async def cancel_later(self, job_id: str) -> None:
-        await asyncio.sleep(random.uniform(0, 1.5))
+    async def cancel_later(self, job_id: str, delay_s: float | None = None) -> None:
+        if job_id in self.cancelling:
+            return  # a user cancels a job once
+        self.cancelling.add(job_id)
+        await asyncio.sleep(random.uniform(0, 1.5) if delay_s is None else delay_s)
         user, retried = self.admitted[job_id], False
         deadline = time.monotonic() + ADMIT_GIVE_UP_S
         while time.monotonic() < deadline:
@@ -416,6 +423,21 @@ class Stress:
                 self.outcomes[f"sim finish {state} {status}"] += 1
             await asyncio.sleep(FINISH_EARLY_EVERY_S)
 
+    async def running_canceller(self) -> None:
+        """Cancel a running job now and then, as its user would."""
+        while not self.stop.is_set():
+            await asyncio.sleep(CANCEL_RUNNING_EVERY_S)
+            if self.quiet.is_set():
+                continue
+            rows = await fetch(
+                self.dsn,
+                """SELECT id FROM analysis_jobs WHERE status = 'running'
+                    ORDER BY random() LIMIT 1""",
+            )
+            if rows and str(rows[0]["id"]) in self.admitted:
+                self._spawn(self.cancel_later(str(rows[0]["id"]), delay_s=0.0))
+                self.outcomes["cancel running"] += 1
+
     async def sampler(self) -> None:
         conn = await asyncpg.connect(self.dsn)
         try:
@@ -471,7 +493,11 @@ class Stress:
     async def run_load(self) -> None:
         self.started = time.monotonic()
         self.stop.clear()
-        background: list[Callable[[], Awaitable[None]]] = [self.sampler, self.provider]
+        background: list[Callable[[], Awaitable[None]]] = [
+            self.sampler,
+            self.provider,
+            self.running_canceller,
+        ]
         tasks = [asyncio.create_task(f()) for f in background]
         tasks += [asyncio.create_task(self.clicker()) for _ in range(ADMITTERS)]
         chaos = [asyncio.create_task(self.chaos()), asyncio.create_task(self.bursts())]

@@ -418,3 +418,39 @@ async def test_a_slot_held_by_a_dead_instances_job_is_recovered_by_the_sweep(
     _, started = await h.get("b", f"/v1/analyses/{waiting['id']}")
     assert started["status"] in ("pending", "running")
     await check_invariants(h.database_url)
+
+
+async def test_a_running_job_frees_its_slot_only_after_core_stopped_it(harness: Harness) -> None:
+    """Cancelling a running analysis: Core is told first. Until Core confirms, the job keeps its
+    slot (and the click gets a 503), so the job waiting for the slot never judges beside it."""
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    await h.start_instance(global_max_running=1, sweep_interval_s=0)
+    await h.grant("a", 1)
+    await h.grant("b", 1)
+    running = await _admit_ok(h, "a")
+    await wait_for(lambda: _settled(h, 1), what="a running")
+    waiting = await _admit_ok(h, "b")
+    assert waiting["waiting_for"] == "provider_capacity"
+    path = f"{h.instances[0].base_url}/v1/analyses/{running['id']}"
+
+    await h.sim.go_offline()
+    try:
+        async with h.http.delete(path, headers=h.auth("a")) as r:
+            assert r.status == 503
+            assert (await r.json())["code"] == "core_unavailable"
+    finally:
+        await h.sim.go_online()
+    _, still = await h.get("a", f"/v1/analyses/{running['id']}")
+    assert still["status"] == "running"
+    _, queued = await h.get("b", f"/v1/analyses/{waiting['id']}")
+    assert queued["status"] == "queued"
+
+    async with h.http.delete(path, headers=h.auth("a")) as r:
+        assert r.status == 200
+        assert (await r.json())["status"] == "cancelled"
+    await wait_for(lambda: _settled(h, 1), what="b promoted into the freed slot")
+    _, started = await h.get("b", f"/v1/analyses/{waiting['id']}")
+    assert started["status"] == "running"
+    assert h.sim.stats()["max_judging"] == 1  # Core never judged both at once
+    await check_invariants(h.database_url)
