@@ -390,6 +390,9 @@ OPERATIONS: dict[RouteKey, Operation] = {
         "Soft-delete a job: cancel (and refund) what has not run, cancel a running one in Core",
         {200: "Job"},
         (401, 404, 503),
+        description="A pending or running job is cancelled in Core first: its slot frees only "
+        "once Core stopped the run, and while Core cannot be told the answer is 503 "
+        "core_unavailable and the job goes on.",
         parameters=(_JOB_ID,),
     ),
     ("POST", "/v1/analyses/{job_id}/rechecks"): Operation(
