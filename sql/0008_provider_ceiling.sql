@@ -73,6 +73,13 @@ ALTER TABLE analysis_jobs
     ADD CONSTRAINT analysis_jobs_delta_waits_for_capacity CHECK (
         delta_of_job_id IS NULL OR status <> 'queued' OR waiting_for = 'provider_capacity');
 
+-- A user's queue is their queued first-pass jobs: a delta that waits (for capacity only) is not
+-- in it. Narrowing the index keeps the queue's counts and heads index-only.
+DROP INDEX analysis_jobs_queued;
+CREATE INDEX analysis_jobs_queued
+    ON analysis_jobs (user_id, queue_seq)
+    WHERE status = 'queued' AND delta_of_job_id IS NULL;
+
 -- The per-user invariant, generalised: no two active first-pass jobs of a user share a slot.
 -- With the default limit of 1 this is exactly the index it replaces.
 DROP INDEX analysis_jobs_one_active_first_pass;
@@ -144,16 +151,24 @@ CREATE FUNCTION aq_free_user_slot_v1(p_user_id text) RETURNS integer
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_used integer[];
-    v_limit integer := aq_user_limit_v1(p_user_id);
+    v_limit integer;
 BEGIN
-    SELECT coalesce(array_agg(a.user_slot), '{}') INTO v_used FROM analysis_jobs a
+    SELECT coalesce((SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1),
+           coalesce(array_agg(a.user_slot), '{}')
+      INTO v_limit, v_used
+      FROM analysis_jobs a
      WHERE a.user_id = p_user_id AND a.status IN ('pending', 'running')
        AND a.delta_of_job_id IS NULL;
     -- Active jobs count against the limit whatever their numbers (a lowered limit).
     IF cardinality(v_used) >= v_limit THEN
         RETURN NULL;
     END IF;
-    RETURN (SELECT s FROM generate_series(1, v_limit) s WHERE s <> ALL (v_used) ORDER BY s LIMIT 1);
+    FOR s IN 1..v_limit LOOP  -- simple expressions: no query per step
+        IF NOT s = ANY (v_used) THEN
+            RETURN s;
+        END IF;
+    END LOOP;
+    RETURN NULL;
 END
 $$;
 
@@ -199,23 +214,41 @@ $$;
 CREATE FUNCTION aq_fill_user_locked_v1(p_user_id text) RETURNS SETOF analysis_jobs
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
+    v_limit integer;
+    v_used integer[];
+    v_free integer;
     v_slot integer;
     v_job analysis_jobs;
 BEGIN
-    -- Deltas left waiting by a ceiling that was just turned off start at once.
+    -- What waited for capacity under a ceiling that was just turned off: deltas start at once,
+    -- first-pass jobs wait for their user again (the fill below starts those with room). One
+    -- statement, usually on no row.
     FOR v_job IN
         UPDATE analysis_jobs j
-           SET status = 'pending', waiting_for = NULL, turn_key = NULL,
-               promoted_at = clock_timestamp(), updated_at = clock_timestamp()
+           SET status = CASE WHEN j.delta_of_job_id IS NULL THEN 'queued' ELSE 'pending' END,
+               waiting_for = CASE WHEN j.delta_of_job_id IS NULL
+                                  THEN 'your_previous_analysis' END,
+               turn_key = NULL,
+               promoted_at = CASE WHEN j.delta_of_job_id IS NULL THEN NULL
+                                  ELSE clock_timestamp() END,
+               updated_at = clock_timestamp()
          WHERE j.user_id = p_user_id AND j.status = 'queued' AND j.waiting_for = 'provider_capacity'
-           AND j.delta_of_job_id IS NOT NULL
         RETURNING j.*
     LOOP
-        RETURN NEXT v_job;
+        IF v_job.status = 'pending' THEN
+            RETURN NEXT v_job;
+        END IF;
     END LOOP;
-    LOOP
-        v_slot := aq_free_user_slot_v1(p_user_id);
-        EXIT WHEN v_slot IS NULL;
+    SELECT coalesce((SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1),
+           coalesce(array_agg(a.user_slot), '{}')
+      INTO v_limit, v_used
+      FROM analysis_jobs a
+     WHERE a.user_id = p_user_id AND a.status IN ('pending', 'running')
+       AND a.delta_of_job_id IS NULL;
+    v_free := v_limit - cardinality(v_used);  -- active jobs count whatever their numbers
+    FOR v_slot IN 1..v_limit LOOP
+        EXIT WHEN v_free <= 0;
+        CONTINUE WHEN v_slot = ANY (v_used);
         -- status = 'queued' is repeated outside the subquery: after a row-lock wait READ
         -- COMMITTED re-checks only the outer WHERE; a job cancelled meanwhile stays cancelled.
         UPDATE analysis_jobs j
@@ -230,10 +263,9 @@ BEGIN
            AND j.status = 'queued'
         RETURNING j.* INTO v_job;
         EXIT WHEN NOT FOUND;
+        v_free := v_free - 1;
         RETURN NEXT v_job;
     END LOOP;
-    -- Jobs left waiting for capacity by a ceiling that was just turned off wait for the user.
-    PERFORM aq_refresh_waits_locked_v1(p_user_id, NULL);
 END
 $$;
 
@@ -558,10 +590,14 @@ BEGIN
         VALUES (p_user_id, p_job_id, 'debit', p_cost);
     END IF;
 
-    IF v_wait = 'provider_capacity' AND aq_try_lock_global_v1() THEN
-        v_started := aq_start_own_if_fairest_v1(p_user_id, v_ceiling);
-        IF v_started.id IS NOT NULL THEN
-            SELECT j.* INTO job FROM analysis_jobs j WHERE j.id = p_job_id;
+    -- Nested, not AND: PL/pgSQL evaluates both sides of NULL AND f(), and a try that succeeds
+    -- holds the global lock to commit.
+    IF v_wait = 'provider_capacity' THEN
+        IF aq_try_lock_global_v1() THEN
+            v_started := aq_start_own_if_fairest_v1(p_user_id, v_ceiling);
+            IF v_started.id IS NOT NULL THEN
+                SELECT j.* INTO job FROM analysis_jobs j WHERE j.id = p_job_id;
+            END IF;
         END IF;
     END IF;
     -- Counted here, in a statement of its own under the lock, so the answer to the click
@@ -658,8 +694,10 @@ BEGIN
         END IF;
     ELSIF old_status IN ('queued', 'pending', 'running') THEN
         PERFORM aq_refresh_waits_locked_v1(v_user, v_ceiling);
-        IF old_status <> 'queued' AND aq_try_lock_global_v1() THEN
-            promoted := aq_start_own_if_fairest_v1(v_user, v_ceiling);
+        IF old_status <> 'queued' THEN
+            IF aq_try_lock_global_v1() THEN
+                promoted := aq_start_own_if_fairest_v1(v_user, v_ceiling);
+            END IF;
         END IF;
     END IF;
 END

@@ -51,7 +51,7 @@ SELECT aq_user_limit_v1($1) AS max_running,
          WHERE a.user_id = $1 AND a.status IN ('pending', 'running')
            AND a.delta_of_job_id IS NULL) AS active,
        (SELECT count(*) FROM analysis_jobs q
-         WHERE q.user_id = $1 AND q.status = 'queued') AS queued;
+         WHERE q.user_id = $1 AND q.status = 'queued' AND q.delta_of_job_id IS NULL) AS queued;
 
 -- credit_grant --
 -- Grant credits: $1 user, $2 amount, $3 note. -> balance
@@ -62,8 +62,14 @@ SELECT aq_credit_grant_v1($1, $2, $3) AS balance;
 SELECT coalesce((SELECT balance FROM credit_accounts WHERE user_id = $1), 0) AS balance;
 
 -- job_open_counts --
--- Open jobs by status, for metrics: reads only the partial indexes of open work.
-SELECT 'queued' AS status, count(*) AS n FROM analysis_jobs WHERE status = 'queued'
+-- Open jobs by status, for metrics: reads only the partial indexes of open work (queued
+-- first-pass jobs, then deltas waiting for capacity).
+SELECT 'queued' AS status,
+       (SELECT count(*) FROM analysis_jobs
+         WHERE status = 'queued' AND delta_of_job_id IS NULL)
+     + (SELECT count(*) FROM analysis_jobs
+         WHERE status = 'queued' AND waiting_for = 'provider_capacity'
+           AND delta_of_job_id IS NOT NULL) AS n
 UNION ALL
 SELECT status, count(*) FROM analysis_jobs WHERE status IN ('pending', 'running') GROUP BY status;
 
@@ -133,19 +139,24 @@ SELECT id, user_id, thesis, sources, status, delta_of_job_id
  WHERE id = $1 AND user_id = $2 AND deleted_at IS NULL;
 
 -- sweep_users_to_promote --
--- Users a promotion may have missed: $1 limit. With the ceiling off, a user with a waiting delta
--- or with a queued job and a free slot; with it on, a user with room whose head does not wait
--- for capacity (its wait was not re-derived). Ready users are the promotion pass's business.
+-- Users a promotion may have missed: $1 limit. With the ceiling off, a user with a queued job
+-- and a free slot, or with a waiting delta; with it on, a user with room whose head does not
+-- wait for capacity (its wait was not re-derived). Ready users are the promotion pass's business.
 SELECT DISTINCT q.user_id
   FROM analysis_jobs q
- WHERE q.status = 'queued'
+ WHERE q.status = 'queued' AND q.delta_of_job_id IS NULL
    AND (q.waiting_for = 'your_previous_analysis'
         OR (SELECT s.global_max_running FROM queue_settings s) IS NULL)
-   AND (q.delta_of_job_id IS NOT NULL
-        OR (SELECT count(*) FROM analysis_jobs a
-             WHERE a.user_id = q.user_id
-               AND a.status IN ('pending', 'running')
-               AND a.delta_of_job_id IS NULL) < aq_user_limit_v1(q.user_id))
+   AND (SELECT count(*) FROM analysis_jobs a
+         WHERE a.user_id = q.user_id
+           AND a.status IN ('pending', 'running')
+           AND a.delta_of_job_id IS NULL) < aq_user_limit_v1(q.user_id)
+UNION
+SELECT d.user_id
+  FROM analysis_jobs d
+ WHERE d.status = 'queued' AND d.waiting_for = 'provider_capacity'
+   AND d.delta_of_job_id IS NOT NULL
+   AND (SELECT s.global_max_running FROM queue_settings s) IS NULL
  LIMIT $1;
 
 -- sweep_pending_due --
