@@ -146,6 +146,16 @@ LANGUAGE sql STABLE AS $$
     SELECT coalesce((SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1)
 $$;
 
+-- Lock held. The user's limit and the user slots their active first-pass jobs hold.
+CREATE FUNCTION aq_user_slots_v1(p_user_id text, OUT max_running integer, OUT used integer[])
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce((SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1),
+           coalesce(array_agg(a.user_slot), '{}')
+      FROM analysis_jobs a
+     WHERE a.user_id = p_user_id AND a.status IN ('pending', 'running')
+       AND a.delta_of_job_id IS NULL
+$$;
+
 -- Lock held. The lowest user slot free for p_user_id within its limit, or NULL at the limit.
 CREATE FUNCTION aq_free_user_slot_v1(p_user_id text) RETURNS integer
 LANGUAGE plpgsql VOLATILE AS $$
@@ -153,12 +163,7 @@ DECLARE
     v_used integer[];
     v_limit integer;
 BEGIN
-    SELECT coalesce((SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1),
-           coalesce(array_agg(a.user_slot), '{}')
-      INTO v_limit, v_used
-      FROM analysis_jobs a
-     WHERE a.user_id = p_user_id AND a.status IN ('pending', 'running')
-       AND a.delta_of_job_id IS NULL;
+    SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(p_user_id) s;
     -- Active jobs count against the limit whatever their numbers (a lowered limit).
     IF cardinality(v_used) >= v_limit THEN
         RETURN NULL;
@@ -239,12 +244,7 @@ BEGIN
             RETURN NEXT v_job;
         END IF;
     END LOOP;
-    SELECT coalesce((SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1),
-           coalesce(array_agg(a.user_slot), '{}')
-      INTO v_limit, v_used
-      FROM analysis_jobs a
-     WHERE a.user_id = p_user_id AND a.status IN ('pending', 'running')
-       AND a.delta_of_job_id IS NULL;
+    SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(p_user_id) s;
     v_free := v_limit - cardinality(v_used);  -- active jobs count whatever their numbers
     FOR v_slot IN 1..v_limit LOOP
         EXIT WHEN v_free <= 0;
