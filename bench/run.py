@@ -40,6 +40,7 @@ from service.core_client import CoreClient  # noqa: E402
 from service.db import Database, apply_migrations  # noqa: E402
 from service.dispatch import Dispatcher, DispatchSettings  # noqa: E402
 from service.promoter import Promoter  # noqa: E402
+from service.sqlfiles import queries  # noqa: E402
 from service.sweeper import Sweeper, SweepSettings  # noqa: E402
 
 SECRETS = {
@@ -538,6 +539,94 @@ async def bench_drain(
     }
 
 
+async def raw_drain(server: str, users_n: int, per_user: int) -> dict[str, Any]:
+    """The drain's database work alone: per job, the statements the service sends (reserve,
+    admit, claim, running, finish with its tail promotion), through the same queue functions,
+    with their triggers and NOTIFYs and one LISTEN connection, but no HTTP and no Python
+    service. ``CONCURRENCY`` workers each drain whole users. Its rate bounds any drain on this
+    machine."""
+    users = [f"r{i}" for i in range(users_n)]
+    q = queries()
+    thesis, sources = _body(0)["thesis"], _body(0)["sources"]
+    async with fresh_database(server) as dsn:
+        await grant_all(dsn, users, per_user)
+        listener = await asyncpg.connect(dsn)
+        heard = 0
+
+        def on_notify(_c: Any, _p: int, _ch: str, _payload: str) -> None:
+            nonlocal heard
+            heard += 1
+
+        await listener.add_listener("aq_jobs_v1", on_notify)
+        db = await Database.connect(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY)
+        pool = db.pool
+        todo = list(users)
+        started = time.perf_counter()
+
+        async def job_done(conn: Any, job_id: uuid.UUID) -> uuid.UUID | None:
+            await conn.fetchrow(q["job_claim"], job_id, "raw", 60.0)
+            await conn.fetchrow(q["job_mark_running"], job_id, "raw")
+            row = await conn.fetchrow(
+                q["finish"],
+                job_id,
+                None,
+                None,
+                "succeeded",
+                ["pending", "running"],
+                False,
+                None,
+                None,
+                None,
+                True,
+            )
+            promoted = row["promoted"]
+            return promoted["id"] if promoted is not None and promoted["id"] else None
+
+        async def worker() -> None:
+            while todo:
+                user = todo.pop()
+                async with pool.acquire() as conn:
+                    first = None
+                    for _ in range(per_user):
+                        job, run = uuid.uuid4(), uuid.uuid4()
+                        await conn.fetchrow(
+                            q["reserve"], user, run, job, 1, thesis, sources, None, None
+                        )
+                        row = await conn.fetchrow(
+                            q["admit"],
+                            job,
+                            user,
+                            run,
+                            f"raw-{run}",
+                            thesis,
+                            sources,
+                            1,
+                            None,
+                            None,
+                            None,
+                        )
+                        if row["status"] == "pending":
+                            first = job
+                    nxt = first
+                    while nxt is not None:
+                        nxt = await job_done(conn, nxt)
+
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        wall = time.perf_counter() - started
+        await db.close()
+        await listener.close()
+        conn = await asyncpg.connect(dsn)
+        try:
+            succeeded = await conn.fetchval(
+                "SELECT count(*) FROM analysis_jobs WHERE status = 'succeeded'"
+            )
+        finally:
+            await conn.close()
+    total = users_n * per_user
+    assert succeeded == total, f"{succeeded}/{total} succeeded"
+    return {"jobs": total, "seconds": wall, "jobs_per_s": total / wall, "notifications": heard}
+
+
 # -- 4. sweep cost vs history -------------------------------------------------------------------
 
 
@@ -655,6 +744,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 print_promotion(results["promotion"])
             if "drain" in only:
                 users = 200 if args.quick else 1000
+                results["drain_raw_sql"] = await raw_drain(server, users, 5)
+                print_raw_drain(results["drain_raw_sql"])
                 results["drain"] = await bench_drain(server, tmp, http, users, 5)
                 print_drain(results["drain"])
                 results["drain_ceiling_40"] = await bench_drain(
@@ -700,6 +791,11 @@ def print_drain(r: dict[str, Any], label: str = "") -> None:
     print(
         "   CPU (cores busy): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores_used"].items())
     )
+
+
+def print_raw_drain(r: dict[str, Any]) -> None:
+    print("\n3. Drain, database work only (the same statements, no HTTP, no service)")
+    print(f"   {r['jobs']} jobs in {r['seconds']:.1f}s = {r['jobs_per_s']:.0f} jobs/s")
 
 
 def print_sweep(r: dict[str, Any]) -> None:

@@ -74,10 +74,11 @@ ALTER TABLE analysis_jobs
         delta_of_job_id IS NULL OR status <> 'queued' OR waiting_for = 'provider_capacity');
 
 -- A user's queue is their queued first-pass jobs: a delta that waits (for capacity only) is not
--- in it. Narrowing the index keeps the queue's counts and heads index-only.
+-- in it. Narrowing the index, and carrying each job's wait in it, keeps the queue's counts,
+-- heads and the sweep's scan index-only, whatever the history.
 DROP INDEX analysis_jobs_queued;
 CREATE INDEX analysis_jobs_queued
-    ON analysis_jobs (user_id, queue_seq)
+    ON analysis_jobs (user_id, queue_seq) INCLUDE (waiting_for)
     WHERE status = 'queued' AND delta_of_job_id IS NULL;
 
 -- The per-user invariant, generalised: no two active first-pass jobs of a user share a slot.

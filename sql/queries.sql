@@ -142,21 +142,36 @@ SELECT id, user_id, thesis, sources, status, delta_of_job_id
 -- Users a promotion may have missed: $1 limit. With the ceiling off, a user with a queued job
 -- and a free slot, or with a waiting delta; with it on, a user with room whose head does not
 -- wait for capacity (its wait was not re-derived). Ready users are the promotion pass's business.
+-- Users on the default limit of 1 are an anti-join over the partial indexes, as cheap as ever;
+-- users with a plan limit (few) are counted one by one.
+WITH settings AS (SELECT s.global_max_running IS NULL AS off FROM queue_settings s)
 SELECT DISTINCT q.user_id
   FROM analysis_jobs q
  WHERE q.status = 'queued' AND q.delta_of_job_id IS NULL
-   AND (q.waiting_for = 'your_previous_analysis'
-        OR (SELECT s.global_max_running FROM queue_settings s) IS NULL)
-   AND (SELECT count(*) FROM analysis_jobs a
+   AND (q.waiting_for = 'your_previous_analysis' OR (SELECT off FROM settings))
+   AND NOT EXISTS (SELECT 1 FROM user_limits l WHERE l.user_id = q.user_id)
+   AND NOT EXISTS (
+        SELECT 1 FROM analysis_jobs a
          WHERE a.user_id = q.user_id
            AND a.status IN ('pending', 'running')
-           AND a.delta_of_job_id IS NULL) < aq_user_limit_v1(q.user_id)
+           AND a.delta_of_job_id IS NULL)
+UNION
+SELECT l.user_id
+  FROM user_limits l
+ WHERE EXISTS (
+        SELECT 1 FROM analysis_jobs q
+         WHERE q.user_id = l.user_id AND q.status = 'queued' AND q.delta_of_job_id IS NULL
+           AND (q.waiting_for = 'your_previous_analysis' OR (SELECT off FROM settings)))
+   AND (SELECT count(*) FROM analysis_jobs a
+         WHERE a.user_id = l.user_id
+           AND a.status IN ('pending', 'running')
+           AND a.delta_of_job_id IS NULL) < l.max_running
 UNION
 SELECT d.user_id
   FROM analysis_jobs d
  WHERE d.status = 'queued' AND d.waiting_for = 'provider_capacity'
    AND d.delta_of_job_id IS NOT NULL
-   AND (SELECT s.global_max_running FROM queue_settings s) IS NULL
+   AND (SELECT off FROM settings)
  LIMIT $1;
 
 -- sweep_pending_due --
