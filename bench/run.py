@@ -539,7 +539,14 @@ async def bench_drain(
     }
 
 
-async def raw_drain(server: str, users_n: int, per_user: int) -> dict[str, Any]:
+# Triggers switched off to see what they cost (an experiment, never the product).
+WITHOUT_EVENT_LOG = ("analysis_jobs_event_insert_v2", "analysis_jobs_event_update_v2")
+WITHOUT_NOTIFY = ("analysis_jobs_notify_insert_v2", "analysis_jobs_notify_update_v3")
+
+
+async def raw_drain(
+    server: str, users_n: int, per_user: int, without: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The drain's database work alone: per job, the statements the service sends (reserve,
     admit, claim, running, finish with its tail promotion), through the same queue functions,
     with their triggers and NOTIFYs and one LISTEN connection, but no HTTP and no Python
@@ -551,6 +558,8 @@ async def raw_drain(server: str, users_n: int, per_user: int) -> dict[str, Any]:
     async with fresh_database(server) as dsn:
         await grant_all(dsn, users, per_user)
         listener = await asyncpg.connect(dsn)
+        for trigger in without:
+            await listener.execute(f"ALTER TABLE analysis_jobs DISABLE TRIGGER {trigger}")
         heard = 0
 
         def on_notify(_c: Any, _p: int, _ch: str, _payload: str) -> None:
@@ -744,7 +753,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 print_promotion(results["promotion"])
             if "drain" in only:
                 users = 200 if args.quick else 1000
-                results["drain_raw_sql"] = await raw_drain(server, users, 5)
+                results["drain_raw_sql"] = {
+                    "as_is": await raw_drain(server, users, 5),
+                    "without_event_log": await raw_drain(server, users, 5, WITHOUT_EVENT_LOG),
+                    "without_event_log_and_notify": await raw_drain(
+                        server, users, 5, WITHOUT_EVENT_LOG + WITHOUT_NOTIFY
+                    ),
+                }
                 print_raw_drain(results["drain_raw_sql"])
                 results["drain"] = await bench_drain(server, tmp, http, users, 5)
                 print_drain(results["drain"])
@@ -795,7 +810,10 @@ def print_drain(r: dict[str, Any], label: str = "") -> None:
 
 def print_raw_drain(r: dict[str, Any]) -> None:
     print("\n3. Drain, database work only (the same statements, no HTTP, no service)")
-    print(f"   {r['jobs']} jobs in {r['seconds']:.1f}s = {r['jobs_per_s']:.0f} jobs/s")
+    for label, v in r.items():
+        print(
+            f"   {label:30} {v['jobs']} jobs in {v['seconds']:.1f}s = {v['jobs_per_s']:.0f} jobs/s"
+        )
 
 
 def print_sweep(r: dict[str, Any]) -> None:
