@@ -65,6 +65,7 @@ class Listener:
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._freed: dict[str, bool] = {}  # users whose slot freed in this notification batch
+        self._refresh: set[str] = set()  # of those, users whose waits a pass re-derives
         self._flush_scheduled = False
         self.connected = asyncio.Event()
         self.reconnects = 0
@@ -108,25 +109,43 @@ class Listener:
         leaves_active = old in _FREEING_STATUSES and (
             new not in _FREEING_STATUSES or event.get("deleted")
         )
-        if self.promoter.ceiling_on and (leaves_active or new == "queued"):
-            # A global slot freed, or a job that may wait for one arrived: a pass decides.
-            self.promoter.pass_soon(user_id=user_id if leaves_active and first_pass else None)
+        if self.promoter.ceiling_on:
+            # A global slot freed, or a job that may wait for one arrived: a pass decides,
+            # unless the same commit already started the user's next job in it.
+            if leaves_active or new == "queued":
+                self._mark_free(user_id, refresh=bool(leaves_active and first_pass))
         elif first_pass and leaves_active:
-            self._freed[user_id] = True
-            if not self._flush_scheduled:
-                # asyncpg queues every notification of one read with call_soon; this runs
-                # after all of them, so a finish and the tail promotion committed with it
-                # (its "pending") are seen together and need no second promotion.
-                self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush_freed)
+            self._mark_free(user_id, refresh=False)
         if new == "pending":
             self.dispatcher.submit(job_id, hint=True)
-            if first_pass and user_id in self._freed:
+            if (first_pass or self.promoter.ceiling_on) and user_id in self._freed:
                 self._freed[user_id] = False  # filled again after it was freed
+
+    def _mark_free(self, user_id: str, *, refresh: bool) -> None:
+        self._freed[user_id] = True
+        if refresh:
+            self._refresh.add(user_id)
+        if not self._flush_scheduled:
+            # asyncpg queues every notification of one read with call_soon; this runs after
+            # all of them, so a finish and the promotion committed with it (its "pending")
+            # are seen together and need no second promotion.
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_freed)
 
     def _flush_freed(self) -> None:
         self._flush_scheduled = False
         freed, self._freed = self._freed, {}
+        refresh, self._refresh = self._refresh, set()
+        if self.promoter.ceiling_on:
+            # One pass for the whole batch; it re-derives the waits of the users whose slot
+            # freed (their completion may have been written by something that did not).
+            if any(freed.values()):
+                users: list[str | None] = [
+                    u for u, still_free in freed.items() if still_free and u in refresh
+                ]
+                for user_id in users or [None]:
+                    self.promoter.pass_soon(user_id=user_id)  # folds into one pass
+            return
         for user_id, still_free in freed.items():
             if still_free:
                 self.promoter.slot_freed(user_id)

@@ -9,9 +9,11 @@
 -- picked up by the sweep (claim lease, polling), which ends it and so frees its slot.
 --
 -- Lock order, everywhere: the global lock (aq_lock_global_v1), then user locks
--- (aq_lock_user_v1). Nothing waits for the global lock while holding a user lock; admission and
--- completion only *try* it (pg_try_advisory_xact_lock never waits) to start their own user's
--- job when it is the fairest, and otherwise leave the slot to a promotion pass.
+-- (aq_lock_user_v1). Nothing waits for the global lock while holding a user lock. Admission
+-- only *tries* it (pg_try_advisory_xact_lock never waits) to start its own user's job when it
+-- is the fairest; completion starts its user's next job, when that is the fairest, in the very
+-- slot it frees (no other transaction can see that slot free before the commit, so this needs
+-- no lock). Otherwise both leave the slot to a promotion pass.
 --   * ceiling on:  a promotion pass takes the global lock exclusively, then one user at a time.
 --   * ceiling off: every queue decision takes the global lock *shared* before its user lock
 --     (aq_ceiling_v1), so turning the ceiling on waits for decisions made under "off" and none
@@ -270,10 +272,13 @@ BEGIN
 END
 $$;
 
--- Global lock held (exclusively or by a successful try), the user's lock held, ceiling on.
+-- The user's lock held, ceiling on, and either the global lock held (exclusively or by a
+-- successful try) or p_slot given: the global slot this transaction just freed, which nobody
+-- else can see free before it commits, so taking it again needs no allocation and no lock.
 -- Start one ready job of p_user_id: p_job_id when it is a delta, else the user's oldest queued
 -- first-pass job. NULL when it cannot start (no global slot, no user slot, nothing ready).
-CREATE FUNCTION aq_start_locked_v1(p_user_id text, p_job_id uuid, p_ceiling integer)
+CREATE FUNCTION aq_start_locked_v1(p_user_id text, p_job_id uuid, p_ceiling integer,
+                                   p_slot integer DEFAULT NULL)
 RETURNS analysis_jobs
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -284,7 +289,8 @@ DECLARE
     v_user integer;
     v_delta boolean;
 BEGIN
-    -- Under the global lock the slots in use can only free meanwhile, never fill.
+    -- Under the global lock the slots in use can only free meanwhile, never fill. Reusing a
+    -- slot just freed keeps the count; the check only honours a ceiling lowered meanwhile.
     SELECT count(*) >= p_ceiling,
            coalesce(array_agg(a.global_slot) FILTER (WHERE a.global_slot IS NOT NULL), '{}')
       INTO v_full, v_used
@@ -292,9 +298,9 @@ BEGIN
     IF v_full THEN
         RETURN NULL;
     END IF;
-    v_global := (SELECT s FROM generate_series(1, p_ceiling) s
-                  WHERE s <> ALL (v_used) ORDER BY s LIMIT 1);
-    IF v_global IS NULL THEN
+    v_global := coalesce(p_slot, (SELECT s FROM generate_series(1, p_ceiling) s
+                                   WHERE s <> ALL (v_used) ORDER BY s LIMIT 1));
+    IF v_global IS NULL OR v_global > p_ceiling THEN
         RETURN NULL;
     END IF;
 
@@ -341,10 +347,12 @@ BEGIN
 END
 $$;
 
--- Global lock held by a successful try, p_user_id's lock held, ceiling on: start the fairest
--- ready job if it is p_user_id's (admission and completion, which must not wait for other
--- users' locks). NULL otherwise: a promotion pass gives the slot to whoever it belongs to.
-CREATE FUNCTION aq_start_own_if_fairest_v1(p_user_id text, p_ceiling integer)
+-- p_user_id's lock held, ceiling on, and the global lock held by a successful try or p_slot
+-- just freed (see aq_start_locked_v1): start the fairest ready job if it is p_user_id's
+-- (admission and completion, which must not wait for other users' locks). NULL otherwise: a
+-- promotion pass gives the slot to whoever it belongs to.
+CREATE FUNCTION aq_start_own_if_fairest_v1(p_user_id text, p_ceiling integer,
+                                           p_slot integer DEFAULT NULL)
 RETURNS analysis_jobs
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -357,7 +365,7 @@ BEGIN
     IF NOT FOUND OR v_pick.user_id <> p_user_id THEN
         RETURN NULL;
     END IF;
-    RETURN aq_start_locked_v1(p_user_id, v_pick.id, p_ceiling);
+    RETURN aq_start_locked_v1(p_user_id, v_pick.id, p_ceiling, p_slot);
 END
 $$;
 
@@ -615,8 +623,9 @@ $$;
 -- never reached judging, and fill the slot it frees:
 --   ceiling off: promote the user's next job in this transaction (tail promotion);
 --   ceiling on:  re-derive the user's waits, and start the fairest ready job if it is this
---                user's and the global lock is free; otherwise the completion's NOTIFY makes a
---                promotion pass give the slot to whoever's turn it is.
+--                user's, in the global slot the job frees (or, for a job that held none, if
+--                the global lock is free); otherwise the completion's NOTIFY makes a promotion
+--                pass give the slot to whoever's turn it is.
 -- (Parameters and refunds as before; see 0002.)
 CREATE OR REPLACE FUNCTION aq_finish_v1(
     p_job_id uuid, p_core_run_id text, p_user_id text,
@@ -695,7 +704,10 @@ BEGIN
         END IF;
     ELSIF old_status IN ('queued', 'pending', 'running') THEN
         PERFORM aq_refresh_waits_locked_v1(v_user, v_ceiling);
-        IF old_status <> 'queued' THEN
+        IF old_status <> 'queued' AND job.global_slot IS NOT NULL THEN
+            -- The slot this frees is invisible to others until commit: reuse it, no lock.
+            promoted := aq_start_own_if_fairest_v1(v_user, v_ceiling, job.global_slot);
+        ELSIF old_status <> 'queued' THEN
             IF aq_try_lock_global_v1() THEN
                 promoted := aq_start_own_if_fairest_v1(v_user, v_ceiling);
             END IF;

@@ -454,3 +454,27 @@ async def test_a_running_job_frees_its_slot_only_after_core_stopped_it(harness: 
     assert started["status"] == "running"
     assert h.sim.stats()["max_judging"] == 1  # Core never judged both at once
     await check_invariants(h.database_url)
+
+
+async def test_a_lowered_ceiling_lets_running_jobs_finish_before_anything_starts(
+    harness: Harness,
+) -> None:
+    """A completion restarts its user's next job in the slot it frees only while the ceiling
+    has room: after the ceiling is lowered, the running jobs drain down to it first."""
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    await h.start_instance(global_max_running=3, sweep_interval_s=0)
+    await h.grant("p", 6)
+    await h.set_limit("p", 3)
+    for n in range(6):
+        await _admit_ok(h, "p", n)
+    await wait_for(lambda: _settled(h, 3), what="three running")
+
+    await h.start_instance(global_max_running=1, sweep_interval_s=0)  # a deploy lowers it
+    await _finish_oldest_running(h, 1)
+    assert await _active(h) == 2  # nothing started in the freed slot
+    await _finish_oldest_running(h, 1)
+    assert await _active(h) == 1
+    await _finish_oldest_running(h, 1)
+    assert await _active(h) == 1  # now under the ceiling: the next one took the slot
+    await check_invariants(h.database_url)
