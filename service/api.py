@@ -181,7 +181,9 @@ def _set_off(services: Services, job: Job) -> None:
     if job.status == "pending":
         services.dispatcher.submit(job.id)
     elif job.waiting_for == "provider_capacity":
-        services.promoter.pass_soon("admit")  # its user has room: a free global slot may be its
+        # Its user has room: a free global slot may be its. The pass names the user, so that a
+        # ceiling turned off meanwhile fills the user's slots instead.
+        services.promoter.pass_soon("admit", job.user_id)
 
 
 @routes.post("/v1/analyses")

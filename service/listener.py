@@ -64,7 +64,9 @@ class Listener:
         self._conn: ListenConnection | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self._freed: dict[str, bool] = {}  # users whose slot freed in this notification batch
+        # Per user, in this notification batch: slots freed (or jobs admitted to wait for one)
+        # minus the user's jobs started meanwhile.
+        self._freed: dict[str, int] = {}
         self._refresh: set[str] = set()  # of those, users whose waits a pass re-derives
         self._flush_scheduled = False
         self.connected = asyncio.Event()
@@ -109,20 +111,23 @@ class Listener:
         leaves_active = old in _FREEING_STATUSES and (
             new not in _FREEING_STATUSES or event.get("deleted")
         )
-        if self.promoter.ceiling_on:
-            # A global slot freed, or a job that may wait for one arrived: a pass decides,
-            # unless the same commit already started the user's next job in it.
-            if leaves_active or new == "queued":
+        ceiling_on = self.promoter.ceiling_on
+        if ceiling_on:
+            # A global slot freed, or a job that may wait for one was admitted: a pass decides,
+            # unless a commit of the same batch started the user's next job in it. (A change of
+            # wait alone needs no pass: the commit that made it frees a slot, or its caller
+            # asks for one.)
+            if leaves_active or (new == "queued" and old is None):
                 self._mark_free(user_id, refresh=bool(leaves_active and first_pass))
         elif first_pass and leaves_active:
             self._mark_free(user_id, refresh=False)
         if new == "pending":
             self.dispatcher.submit(job_id, hint=True)
-            if (first_pass or self.promoter.ceiling_on) and user_id in self._freed:
-                self._freed[user_id] = False  # filled again after it was freed
+            if (first_pass or ceiling_on) and self._freed.get(user_id, 0) > 0:
+                self._freed[user_id] -= 1  # one of the user's freed slots is filled again
 
     def _mark_free(self, user_id: str, *, refresh: bool) -> None:
-        self._freed[user_id] = True
+        self._freed[user_id] = self._freed.get(user_id, 0) + 1
         if refresh:
             self._refresh.add(user_id)
         if not self._flush_scheduled:
@@ -139,15 +144,13 @@ class Listener:
         if self.promoter.ceiling_on:
             # One pass for the whole batch; it re-derives the waits of the users whose slot
             # freed (their completion may have been written by something that did not).
-            if any(freed.values()):
-                users: list[str | None] = [
-                    u for u, still_free in freed.items() if still_free and u in refresh
-                ]
+            if any(n > 0 for n in freed.values()):
+                users: list[str | None] = [u for u, n in freed.items() if n > 0 and u in refresh]
                 for user_id in users or [None]:
                     self.promoter.pass_soon(user_id=user_id)  # folds into one pass
             return
         for user_id, still_free in freed.items():
-            if still_free:
+            if still_free > 0:
                 self.promoter.slot_freed(user_id)
 
     # -- connection lifecycle ---------------------------------------------------------------

@@ -12,8 +12,10 @@
 -- (aq_lock_user_v1). Nothing waits for the global lock while holding a user lock. Admission
 -- only *tries* it (pg_try_advisory_xact_lock never waits) to start its own user's job when it
 -- is the fairest; completion starts its user's next job, when that is the fairest, in the very
--- slot it frees (no other transaction can see that slot free before the commit, so this needs
--- no lock). Otherwise both leave the slot to a promotion pass.
+-- slot it frees (no other transaction can see that slot free before the commit), holding the
+-- global lock *shared* by a try, so that concurrent completions do not exclude each other but
+-- a change of the ceiling waits for them. Both read the ceiling again once they hold the lock.
+-- When a try fails, they leave the slot to a promotion pass.
 --   * ceiling on:  a promotion pass takes the global lock exclusively, then one user at a time.
 --   * ceiling off: every queue decision takes the global lock *shared* before its user lock
 --     (aq_ceiling_v1), so turning the ceiling on waits for decisions made under "off" and none
@@ -125,6 +127,20 @@ LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     RETURN pg_try_advisory_xact_lock(hashtextextended('analysis_queue_ceiling', 0));
 END
+$$;
+
+CREATE FUNCTION aq_try_lock_global_shared_v1() RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN pg_try_advisory_xact_lock_shared(hashtextextended('analysis_queue_ceiling', 0));
+END
+$$;
+
+-- The ceiling in force, read while holding the global lock in some mode: no change of it can
+-- commit before this transaction ends.
+CREATE FUNCTION aq_ceiling_held_v1() RETURNS integer
+LANGUAGE sql VOLATILE AS $$
+    SELECT s.global_max_running FROM queue_settings s
 $$;
 
 -- The ceiling a queue decision must obey (NULL: off). Call it before any user lock. With the
@@ -601,12 +617,17 @@ BEGIN
 
     -- Nested, not AND: PL/pgSQL evaluates both sides of NULL AND f(), and a try that succeeds
     -- holds the global lock to commit.
+    -- The ceiling read above may have changed since (it was read without a lock): holding the
+    -- global lock, read it again. Turned off meanwhile: fill as "off" does.
     IF v_wait = 'provider_capacity' THEN
         IF aq_try_lock_global_v1() THEN
-            v_started := aq_start_own_if_fairest_v1(p_user_id, v_ceiling);
-            IF v_started.id IS NOT NULL THEN
-                SELECT j.* INTO job FROM analysis_jobs j WHERE j.id = p_job_id;
+            v_ceiling := aq_ceiling_held_v1();
+            IF v_ceiling IS NULL THEN
+                SELECT f.* INTO v_started FROM aq_fill_user_locked_v1(p_user_id) f LIMIT 1;
+            ELSE
+                v_started := aq_start_own_if_fairest_v1(p_user_id, v_ceiling);
             END IF;
+            SELECT j.* INTO job FROM analysis_jobs j WHERE j.id = p_job_id;
         END IF;
     END IF;
     -- Counted here, in a statement of its own under the lock, so the answer to the click
@@ -704,12 +725,23 @@ BEGIN
         END IF;
     ELSIF old_status IN ('queued', 'pending', 'running') THEN
         PERFORM aq_refresh_waits_locked_v1(v_user, v_ceiling);
+        -- Starting the user's next job here needs the ceiling as it is now (read above without
+        -- a lock): hold the global lock (shared to reuse the slot this frees, which nobody
+        -- else can see free before the commit; exclusive to allocate one), then read it again.
+        -- A try never waits; when it fails, a pass (woken by this commit's NOTIFY) decides.
         IF old_status <> 'queued' AND job.global_slot IS NOT NULL THEN
-            -- The slot this frees is invisible to others until commit: reuse it, no lock.
-            promoted := aq_start_own_if_fairest_v1(v_user, v_ceiling, job.global_slot);
+            IF aq_try_lock_global_shared_v1() THEN
+                v_ceiling := aq_ceiling_held_v1();
+                IF v_ceiling IS NOT NULL THEN
+                    promoted := aq_start_own_if_fairest_v1(v_user, v_ceiling, job.global_slot);
+                END IF;
+            END IF;
         ELSIF old_status <> 'queued' THEN
             IF aq_try_lock_global_v1() THEN
-                promoted := aq_start_own_if_fairest_v1(v_user, v_ceiling);
+                v_ceiling := aq_ceiling_held_v1();
+                IF v_ceiling IS NOT NULL THEN
+                    promoted := aq_start_own_if_fairest_v1(v_user, v_ceiling);
+                END IF;
             END IF;
         END IF;
     END IF;

@@ -139,29 +139,35 @@ SELECT id, user_id, thesis, sources, status, delta_of_job_id
  WHERE id = $1 AND user_id = $2 AND deleted_at IS NULL;
 
 -- sweep_users_to_promote --
--- Users a promotion may have missed: $1 limit. With the ceiling off, a user with a queued job
--- and a free slot, or with a waiting delta; with it on, a user with room whose head does not
--- wait for capacity (its wait was not re-derived). Ready users are the promotion pass's business.
--- Users on the default limit of 1 are an anti-join over the partial indexes, as cheap as ever;
--- users with a plan limit (few) are counted one by one.
-WITH settings AS (SELECT s.global_max_running IS NULL AS off FROM queue_settings s)
-SELECT DISTINCT q.user_id
-  FROM analysis_jobs q
- WHERE q.status = 'queued' AND q.delta_of_job_id IS NULL
-   AND (q.waiting_for = 'your_previous_analysis' OR (SELECT off FROM settings))
-   AND NOT EXISTS (SELECT 1 FROM user_limits l WHERE l.user_id = q.user_id)
+-- Users a promotion may have missed: $1 limit. A user with room (fewer active first-pass jobs
+-- than their limit) whose oldest queued job does not wait for capacity: with the ceiling off it
+-- should have started, with it on its wait was not re-derived. Also, ceiling off, a user with a
+-- waiting delta. Ready users are the promotion pass's business.
+-- Users on the default limit of 1 are an anti-join over the partial indexes; users with a plan
+-- limit (few) are counted one by one.
+WITH settings AS (SELECT s.global_max_running IS NULL AS off FROM queue_settings s),
+heads AS (
+    SELECT DISTINCT ON (q.user_id) q.user_id, q.waiting_for
+      FROM analysis_jobs q
+     WHERE q.status = 'queued' AND q.delta_of_job_id IS NULL
+     ORDER BY q.user_id, q.queue_seq)
+SELECT h.user_id
+  FROM heads h
+ WHERE (h.waiting_for = 'your_previous_analysis' OR (SELECT off FROM settings))
+   AND NOT EXISTS (SELECT 1 FROM user_limits l WHERE l.user_id = h.user_id)
    AND NOT EXISTS (
         SELECT 1 FROM analysis_jobs a
-         WHERE a.user_id = q.user_id
+         WHERE a.user_id = h.user_id
            AND a.status IN ('pending', 'running')
            AND a.delta_of_job_id IS NULL)
 UNION
 SELECT l.user_id
   FROM user_limits l
- WHERE EXISTS (
-        SELECT 1 FROM analysis_jobs q
+ WHERE (SELECT q.waiting_for = 'your_previous_analysis' OR (SELECT off FROM settings)
+          FROM analysis_jobs q
          WHERE q.user_id = l.user_id AND q.status = 'queued' AND q.delta_of_job_id IS NULL
-           AND (q.waiting_for = 'your_previous_analysis' OR (SELECT off FROM settings)))
+         ORDER BY q.queue_seq
+         LIMIT 1)
    AND (SELECT count(*) FROM analysis_jobs a
          WHERE a.user_id = l.user_id
            AND a.status IN ('pending', 'running')

@@ -7,9 +7,12 @@ and the order of starts is the scheduler's alone.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import uuid
 from typing import Any
 
+import asyncpg
 import pytest
 from support import (
     Harness,
@@ -478,3 +481,41 @@ async def test_a_lowered_ceiling_lets_running_jobs_finish_before_anything_starts
     await _finish_oldest_running(h, 1)
     assert await _active(h) == 1  # now under the ceiling: the next one took the slot
     await check_invariants(h.database_url)
+
+
+async def test_a_completion_in_flight_when_the_ceiling_is_lowered_obeys_the_new_one(
+    harness: Harness,
+) -> None:
+    """A completion reads the ceiling, then waits for its user's lock; meanwhile the ceiling is
+    lowered. Once it runs, it must judge by the new ceiling, not the one it read."""
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    inst = await h.start_instance(global_max_running=3, sweep_interval_s=0, listen_enabled=False)
+    await h.grant("p", 4)
+    await h.set_limit("p", 3)
+    jobs = [await _admit_ok(h, "p", n) for n in range(4)]
+    await wait_for(lambda: _settled(h, 3), what="three running")
+
+    holder = await asyncpg.connect(h.database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT aq_lock_user_v1('p')")  # the completion will wait here
+        finish = asyncio.create_task(
+            inst.services.db.finish(
+                job_id=uuid.UUID(jobs[0]["id"]),
+                status="succeeded",
+                from_statuses=("pending", "running"),
+                ran=True,
+            )
+        )
+        await asyncio.sleep(0.3)  # it has read the ceiling (3) and waits for the user lock
+        assert not finish.done()
+        await fetchval(h.database_url, "SELECT aq_set_ceiling_v1(1)")
+        await tx.rollback()
+        result = await finish
+    finally:
+        await holder.close()
+    assert result is not None and result.changed
+    assert result.promoted is None, "started a job over the lowered ceiling"
+    assert await _active(h) == 2
