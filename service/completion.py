@@ -3,7 +3,9 @@
 Idempotent by construction: the move to a terminal status is a compare-and-set from
 ``pending``/``running`` under the user lock, so a duplicate, late or out-of-order report changes
 nothing twice. ``pending`` is accepted because Core's callback can arrive before the releasing
-instance has written ``running``. The user's next job is promoted in the same transaction.
+instance has written ``running``. The user's next job is promoted in the same transaction (with
+the provider ceiling on, when it is the fairest; otherwise a promotion pass, woken by the
+completion's NOTIFY, gives the freed slot to whoever's turn it is).
 """
 
 from __future__ import annotations
