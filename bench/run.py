@@ -49,6 +49,7 @@ SECRETS = {
     "AQ_CORE_CALLBACK_SECRET": "bench-callback",
 }
 CONCURRENCY = 64
+POOL_SIZE = 20  # the service's database pool in these runs (--pool-size)
 
 
 # -- infrastructure -----------------------------------------------------------------------------
@@ -154,7 +155,7 @@ async def running_stack(
         AQ_PORT=str(port),
         AQ_DATA_DIR=str(tmp),
         AQ_LOG_LEVEL="WARNING",
-        AQ_POOL_MAX_SIZE="20",
+        AQ_POOL_MAX_SIZE=str(POOL_SIZE),
         **{f"AQ_{k}": v for k, v in service_env.items()},
     )
     svc = Proc([*cli, "serve"], env, tmp / f"svc-{port}.log")
@@ -573,8 +574,8 @@ async def raw_drain(
         started = time.perf_counter()
 
         async def job_done(conn: Any, job_id: uuid.UUID) -> uuid.UUID | None:
-            await conn.fetchrow(q["job_claim"], job_id, "raw", 60.0)
-            await conn.fetchrow(q["job_mark_running"], job_id, "raw")
+            await conn.fetch(q["jobs_claim"], [job_id], "raw", 60.0)
+            await conn.fetch(q["jobs_mark_running"], [job_id], "raw")
             row = await conn.fetchrow(
                 q["finish"],
                 job_id,
@@ -721,6 +722,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "python": platform.python_version(),
             "platform": platform.platform(),
             "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "service_pool_size": POOL_SIZE,
         }
     }
     with tempfile.TemporaryDirectory(prefix="aq-bench-") as tmp_s:
@@ -831,8 +833,12 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument("--only", default="", help="comma list: admit,promotion,drain,sweep")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per admit run")
+    parser.add_argument(
+        "--pool-size", type=int, default=POOL_SIZE, help="the service's database pool size"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     ns = parser.parse_args()
+    POOL_SIZE = ns.pool_size
     res = asyncio.run(main(ns))
     Path(ns.out).write_text(json.dumps(res, indent=2, default=str))
     print(f"\nwritten: {ns.out}")

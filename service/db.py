@@ -330,11 +330,17 @@ class Database:
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    async def claim(self, job_id: UUID, instance_id: str, lease_s: float) -> Job | None:
-        return _job_or_none(await self._fetchrow("job_claim", job_id, instance_id, lease_s))
+    async def claim(
+        self, job_ids: Sequence[UUID], instance_id: str, lease_s: float
+    ) -> dict[UUID, Job]:
+        """Claim these pending jobs for release; returns the ones claimed, by id."""
+        rows = await self._fetch("jobs_claim", sorted(set(job_ids)), instance_id, lease_s)
+        return {job.id: job for job in map(Job.from_row, rows)}
 
-    async def mark_running(self, job_id: UUID, instance_id: str) -> Job | None:
-        return _job_or_none(await self._fetchrow("job_mark_running", job_id, instance_id))
+    async def mark_running(self, job_ids: Sequence[UUID], instance_id: str) -> dict[UUID, Job]:
+        """Core released these claimed jobs; returns the ones moved to running, by id."""
+        rows = await self._fetch("jobs_mark_running", sorted(set(job_ids)), instance_id)
+        return {job.id: job for job in map(Job.from_row, rows)}
 
     async def schedule_release_retry(
         self, job_id: UUID, instance_id: str, at: datetime, detail: str

@@ -21,6 +21,7 @@ import tenacity
 from . import errors
 from .core_client import CoreClient
 from .db import Database
+from .group_commit import GroupCommit
 from .metrics import Metrics
 from .models import Job, StaleReservation
 
@@ -79,6 +80,13 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: dict[UUID, asyncio.TimerHandle] = {}
         self._sem = asyncio.Semaphore(settings.concurrency)
+        # Claims and running marks of concurrent dispatches go out as one statement each.
+        self._claims: GroupCommit[UUID, Job] = GroupCommit(
+            lambda ids: db.claim(ids, settings.instance_id, settings.claim_lease_s)
+        )
+        self._running: GroupCommit[UUID, Job] = GroupCommit(
+            lambda ids: db.mark_running(ids, settings.instance_id)
+        )
         self._stopping = False
         self.released = 0  # counters for tests and metrics
         self.gave_up = 0
@@ -114,7 +122,7 @@ class Dispatcher:
 
     async def dispatch_once(self, job_id: UUID) -> str:
         """One release attempt. Returns what happened (for tests and logs)."""
-        job = await self.db.claim(job_id, self.settings.instance_id, self.settings.claim_lease_s)
+        job = await self._claims.submit(job_id)
         if job is None:
             return "not_claimed"  # another instance has it, it moved on, or it is not due
         assert job.core_run_id is not None and job.promoted_at is not None
@@ -160,7 +168,7 @@ class Dispatcher:
                 },
             )
             return "retry"
-        running = await self.db.mark_running(job.id, self.settings.instance_id)
+        running = await self._running.submit(job.id)
         self.released += 1
         log.info(
             "released",
@@ -190,7 +198,7 @@ class Dispatcher:
             await self._fail(job, "core_run_gone", detail)
             return "failed"
         if run.state == "judging":
-            await self.db.mark_running(job.id, self.settings.instance_id)
+            await self._running.submit(job.id)
             self.released += 1
             return "released"
         if run.finished:

@@ -96,29 +96,31 @@ SELECT j.*,
  ORDER BY j.queue_seq DESC
  LIMIT $2;
 
--- job_claim --
--- Claim a pending job for release, so that only one instance releases it: $1 job id,
--- $2 instance id, $3 lease seconds. Compare-and-set on status, lease and retry schedule.
-UPDATE analysis_jobs
+-- jobs_claim --
+-- Claim pending jobs for release, so that only one instance releases each: $1 job ids,
+-- $2 instance id, $3 lease seconds. Compare-and-set on status, lease and retry schedule; returns
+-- the jobs claimed. One statement for every dispatch that asked while the previous one ran.
+-- SKIP LOCKED: a row locked by another instance's claim is theirs, and a claim never waits
+-- while holding other rows (two instances claim overlapping sets: both hear every NOTIFY).
+UPDATE analysis_jobs j
    SET claimed_by = $2,
        claim_expires_at = clock_timestamp() + make_interval(secs => $3),
-       release_attempts = release_attempts + 1,
+       release_attempts = j.release_attempts + 1,
        updated_at = clock_timestamp()
- WHERE id = $1
-   AND status = 'pending'
-   AND (claim_expires_at IS NULL OR claim_expires_at < clock_timestamp())
-   AND (next_release_at IS NULL OR next_release_at <= clock_timestamp())
-RETURNING *, NULL::bigint AS queue_position;
+  FROM (SELECT c.id FROM analysis_jobs c
+         WHERE c.id = ANY ($1::uuid[])
+           AND c.status = 'pending'
+           AND (c.claim_expires_at IS NULL OR c.claim_expires_at < clock_timestamp())
+           AND (c.next_release_at IS NULL OR c.next_release_at <= clock_timestamp())
+           FOR UPDATE SKIP LOCKED) free
+ WHERE j.id = free.id
+RETURNING j.*, NULL::bigint AS queue_position;
 
--- job_mark_running --
--- Core released the run: $1 job id, $2 instance id. A no-op when the job moved on meanwhile
--- (a fast completion callback may already have finished it).
-UPDATE analysis_jobs
-   SET status = 'running', started_at = clock_timestamp(), updated_at = clock_timestamp(),
-       claimed_by = NULL, claim_expires_at = NULL, next_release_at = NULL,
-       error_code = NULL, error_detail = NULL
- WHERE id = $1 AND status = 'pending' AND claimed_by = $2
-RETURNING *, NULL::bigint AS queue_position;
+-- jobs_mark_running --
+-- Core released the runs: $1 job ids, $2 the instance that claimed them (aq_mark_running_v1:
+-- in lock order). Returns the jobs moved. One commit, and one turn at NOTIFY's commit lock, for
+-- every release that completed while the previous one was being written.
+SELECT j.*, NULL::bigint AS queue_position FROM aq_mark_running_v1($1::uuid[], $2) j;
 
 -- job_release_retry --
 -- A release attempt failed and may be retried: $1 job id, $2 instance id, $3 next attempt at,

@@ -463,7 +463,7 @@ async def test_notify_on_insert_status_and_delete_only(
             "UPDATE analysis_jobs SET release_attempts = release_attempts + 1 WHERE id = $1", job.id
         )
         # The service's own bookkeeping writes are silent too.
-        assert await db.claim(job.id, "inst-1", 60) is not None
+        assert job.id in await db.claim([job.id], "inst-1", 60)
         await db.schedule_release_retry(job.id, "inst-1", datetime.now(UTC), "Core is away")
         await db.mark_polled([job.id])
         inserted = _decoded(await notes.until_barrier(conn))
@@ -600,3 +600,56 @@ def test_wheel_carries_the_sql(tmp_path: Path) -> None:
     assert Path(sql) == (site / "service" / "_sql").resolve()
     assert Path(triggers) == (site / "service" / "_triggers").resolve()
     assert Path(module).resolve().is_relative_to(site.resolve())
+
+
+async def test_set_based_claims_race_to_exactly_one_claimer(db: Database) -> None:
+    """Two instances claim overlapping batches of the same pending jobs at once, in opposite
+    orders: every job is claimed once, and only its claimer can mark it running."""
+    jobs = [await _admit(db, f"claim-{i}") for i in range(40)]
+    ids = [j.id for j in jobs]
+    assert all(j.status == "pending" for j in jobs)
+    batches_a = [ids[i : i + 7] for i in range(0, 40, 7)]
+    batches_b = [list(reversed(ids[i : i + 11])) for i in range(0, 40, 11)]
+    got_a, got_b = await asyncio.gather(
+        asyncio.gather(*(db.claim(b, "inst-a", 60) for b in batches_a)),
+        asyncio.gather(*(db.claim(b, "inst-b", 60) for b in batches_b)),
+    )
+    claimed_a = {k for d in got_a for k in d}
+    claimed_b = {k for d in got_b for k in d}
+    assert not claimed_a & claimed_b
+    assert claimed_a | claimed_b == set(ids)
+
+    # A job finished meanwhile (a fast completion callback) stays finished.
+    done = next(iter(claimed_a))
+    await db.finish(job_id=done, status="succeeded", from_statuses=("pending", "running"))
+    moved_a, moved_b = await asyncio.gather(
+        db.mark_running(ids, "inst-a"), db.mark_running(ids, "inst-b")
+    )
+    assert set(moved_a) == claimed_a - {done}
+    assert set(moved_b) == claimed_b
+    assert all(j.status == "running" for j in moved_a.values())
+    assert await db.mark_running(ids, "inst-a") == {}, "a second mark moves nothing"
+
+
+async def test_a_batch_of_running_marks_waits_for_an_exclusive_promotion_pass(
+    db: Database, database_url: str
+) -> None:
+    """Marking several users' jobs running locks their event counters; a promotion pass with
+    the ceiling on locks users in turn order under the global lock held exclusively. The batch
+    must take the global lock shared first, or the two deadlock on two users' counters."""
+    jobs = [await _admit(db, f"batch-{i}") for i in range(3)]
+    ids = [j.id for j in jobs]
+    assert set(await db.claim(ids, "inst-a", 60)) == set(ids)
+    holder = await asyncpg.connect(database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT aq_lock_global_v1()")
+        marking = asyncio.create_task(db.mark_running(ids, "inst-a"))
+        await asyncio.sleep(0.3)
+        assert not marking.done(), "the batch did not wait for the exclusive global lock"
+        await tx.commit()
+        moved = await asyncio.wait_for(marking, 5)
+    finally:
+        await holder.close()
+    assert set(moved) == set(ids)

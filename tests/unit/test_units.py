@@ -127,7 +127,7 @@ def test_every_query_db_uses_is_defined() -> None:
     source = (REPO / "service" / "db.py").read_text()
     used = set(re.findall(r"self\._(?:fetchrow|fetch|execute)\(\s*\"([a-z0-9_]+)\"", source))
     # Sanity: the scan finds the calls (including ones wrapped over several lines).
-    assert {"reserve", "admit", "finish", "promote", "job_claim", "credit_grant"} <= used
+    assert {"reserve", "admit", "finish", "promote", "jobs_claim", "credit_grant"} <= used
     defined = queries()
     assert used - defined.keys() == set()
     assert all(sql.strip() and not sql.rstrip().endswith(";") for sql in defined.values())

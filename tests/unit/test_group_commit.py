@@ -1,0 +1,94 @@
+"""GroupCommit: callers that ask while a statement is in flight share the next one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service.group_commit import GroupCommit
+
+
+class Recorder:
+    """A flush that records its batches and can be held open."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail_on: int | None = None
+
+    async def __call__(self, keys: list[int]) -> dict[int, str]:
+        self.batches.append(list(keys))
+        await self.gate.wait()
+        if self.fail_on is not None and self.fail_on in keys:
+            raise RuntimeError("statement failed")
+        return {k: f"v{k}" for k in keys if k % 2 == 0}  # odd keys: "no row"
+
+
+async def test_keys_of_one_loop_turn_go_out_together() -> None:
+    flush = Recorder()
+    group: GroupCommit[int, str] = GroupCommit(flush)
+    results = await asyncio.gather(*(group.submit(k) for k in range(6)))
+    assert results == ["v0", None, "v2", None, "v4", None]
+    assert flush.batches == [[0, 1, 2, 3, 4, 5]]
+    assert (group.batches, group.keys) == (1, 6)
+
+
+async def test_keys_submitted_during_a_flush_share_the_next_one() -> None:
+    flush = Recorder()
+    flush.gate.clear()
+    group: GroupCommit[int, str] = GroupCommit(flush)
+    first = asyncio.create_task(group.submit(0))
+    await asyncio.sleep(0.01)
+    assert flush.batches == [[0]]  # in flight, held open
+    later = [asyncio.create_task(group.submit(k)) for k in (2, 4, 6)]
+    await asyncio.sleep(0.01)
+    assert flush.batches == [[0]], "nothing goes out while a statement is in flight"
+    flush.gate.set()
+    assert await first == "v0"
+    assert [await t for t in later] == ["v2", "v4", "v6"]
+    assert flush.batches == [[0], [2, 4, 6]]
+
+
+async def test_batches_are_capped() -> None:
+    flush = Recorder()
+    group: GroupCommit[int, str] = GroupCommit(flush, max_batch=4)
+    await asyncio.gather(*(group.submit(k) for k in range(10)))
+    assert flush.batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+async def test_a_failed_statement_fails_its_batch_only() -> None:
+    flush = Recorder()
+    flush.gate.clear()
+    flush.fail_on = 0
+    group: GroupCommit[int, str] = GroupCommit(flush)
+    doomed = asyncio.create_task(group.submit(0))
+    await asyncio.sleep(0.01)
+    fine = asyncio.create_task(group.submit(2))
+    await asyncio.sleep(0.01)
+    flush.gate.set()
+    with pytest.raises(RuntimeError, match="statement failed"):
+        await doomed
+    assert await fine == "v2"
+    # And the group keeps working after a failure.
+    assert await group.submit(4) == "v4"
+
+
+async def test_a_cancelled_caller_does_not_break_its_batch() -> None:
+    flush = Recorder()
+    flush.gate.clear()
+    group: GroupCommit[int, str] = GroupCommit(flush)
+    gone = asyncio.create_task(group.submit(0))
+    stays = asyncio.create_task(group.submit(2))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    flush.gate.set()
+    assert await stays == "v2"
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+
+
+def test_max_batch_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        GroupCommit(Recorder(), max_batch=0)
