@@ -499,6 +499,7 @@ async def bench_drain(
             await _wait_all_terminal(dsn, total, 600)
             wall = time.perf_counter() - started
             rss = svc.peak_rss_mb()
+            batching = await _group_commits(http, base)
             sys_now = psutil.cpu_times()
             busy = (sys_now.user + sys_now.system) - (cpu0[2].user + cpu0[2].system)
             cpu = {
@@ -537,7 +538,24 @@ async def bench_drain(
         "max_active_overall": overall,
         "peak_rss_mb": rss,
         "cpu_cores_used": cpu,
+        "group_commits": batching,
     }
+
+
+async def _group_commits(http: aiohttp.ClientSession, base: str) -> dict[str, dict[str, float]]:
+    """The dispatcher's group commits, from the service's /metrics: jobs and statements."""
+    async with http.get(f"{base}/metrics") as r:
+        text = await r.text()
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        for metric, key in (
+            ("aq_group_commit_jobs_total", "jobs"),
+            ("aq_group_commit_statements_total", "statements"),
+        ):
+            if line.startswith(metric + "{"):
+                what = line.split('what="', 1)[1].split('"', 1)[0]
+                out.setdefault(what, {})[key] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 # Triggers switched off to see what they cost (an experiment, never the product).
@@ -807,6 +825,14 @@ def print_drain(r: dict[str, Any], label: str = "") -> None:
     )
     print(
         "   CPU (cores busy): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores_used"].items())
+    )
+    gc = r.get("group_commits", {})
+    print(
+        "   group commits: "
+        + ", ".join(
+            f"{what} {v.get('jobs', 0):.0f} jobs in {v.get('statements', 0):.0f} statements"
+            for what, v in sorted(gc.items())
+        )
     )
 
 

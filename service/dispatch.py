@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
@@ -82,14 +83,26 @@ class Dispatcher:
         self._sem = asyncio.Semaphore(settings.concurrency)
         # Claims and running marks of concurrent dispatches go out as one statement each.
         self._claims: GroupCommit[UUID, Job] = GroupCommit(
-            lambda ids: db.claim(ids, settings.instance_id, settings.claim_lease_s)
+            lambda ids: db.claim(ids, settings.instance_id, settings.claim_lease_s),
+            on_batch=self._counted("claim"),
         )
         self._running: GroupCommit[UUID, Job] = GroupCommit(
-            lambda ids: db.mark_running(ids, settings.instance_id)
+            lambda ids: db.mark_running(ids, settings.instance_id),
+            on_batch=self._counted("running"),
         )
         self._stopping = False
         self.released = 0  # counters for tests and metrics
         self.gave_up = 0
+
+    def _counted(self, what: str) -> Callable[[int], None]:
+        statements = self.metrics.group_commit_statements.labels(what)
+        jobs = self.metrics.group_commit_jobs.labels(what)
+
+        def count(n: int) -> None:
+            statements.inc()
+            jobs.inc(n)
+
+        return count
 
     def submit(self, job_id: UUID, *, hint: bool = False) -> None:
         """Release ``job_id`` soon. ``hint``: it comes from a notification, so skip a job this

@@ -25,11 +25,16 @@ class GroupCommit(Generic[K, V]):
     ``submit(key)`` returns the value for its key, or None when the flush returned none."""
 
     def __init__(
-        self, flush: Callable[[list[K]], Awaitable[Mapping[K, V]]], *, max_batch: int = 256
+        self,
+        flush: Callable[[list[K]], Awaitable[Mapping[K, V]]],
+        *,
+        max_batch: int = 256,
+        on_batch: Callable[[int], None] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self._flush = flush
+        self._on_batch = on_batch  # called with each written batch's size (metrics)
         self._max_batch = max_batch
         self._waiting: list[tuple[K, asyncio.Future[V | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -61,6 +66,8 @@ class GroupCommit(Generic[K, V]):
                     continue
                 self.batches += 1
                 self.keys += len(batch)
+                if self._on_batch is not None:
+                    self._on_batch(len(batch))
                 for key, future in batch:
                     if not future.done():  # its caller may have been cancelled
                         future.set_result(found.get(key))

@@ -39,6 +39,15 @@ class Metrics:
         self.listener_up = Gauge(
             "aq_listener_up", "1 while the LISTEN connection is up", registry=r
         )
+        self.group_commit_statements = Counter(
+            "aq_group_commit_statements",
+            "Statements written by a group commit (claim, running), each for one or more jobs",
+            ["what"],
+            registry=r,
+        )
+        self.group_commit_jobs = Counter(
+            "aq_group_commit_jobs", "Jobs those statements were written for", ["what"], registry=r
+        )
         self.notifications = Counter("aq_notifications", "Notifications received", registry=r)
         self.notification_lag = Histogram(
             "aq_notification_lag_seconds",

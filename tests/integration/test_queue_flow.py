@@ -99,6 +99,20 @@ async def test_two_instances_share_the_queue_in_fifo_order(harness: Harness) -> 
     released = a.services.dispatcher.released + b.services.dispatcher.released
     assert released == 48, "each held run released exactly once across both instances"
 
+    def written(what: str, metric: str) -> float:
+        return sum(
+            i.services.dispatcher.metrics.registry.get_sample_value(
+                f"{metric}_total", {"what": what}
+            )
+            or 0
+            for i in (a, b)
+        )
+
+    # The group commits wrote every release's running mark, in at most one statement each.
+    assert written("running", "aq_group_commit_jobs") == 48
+    assert 1 <= written("running", "aq_group_commit_statements") <= 48
+    assert written("claim", "aq_group_commit_jobs") >= 48  # both instances try to claim
+
 
 async def test_metrics_show_open_jobs_and_promotions(harness: Harness) -> None:
     h = harness

@@ -51,11 +51,13 @@ async def test_keys_submitted_during_a_flush_share_the_next_one() -> None:
     assert flush.batches == [[0], [2, 4, 6]]
 
 
-async def test_batches_are_capped() -> None:
+async def test_batches_are_capped_and_counted() -> None:
     flush = Recorder()
-    group: GroupCommit[int, str] = GroupCommit(flush, max_batch=4)
+    sizes: list[int] = []
+    group: GroupCommit[int, str] = GroupCommit(flush, max_batch=4, on_batch=sizes.append)
     await asyncio.gather(*(group.submit(k) for k in range(10)))
     assert flush.batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert sizes == [4, 4, 2]
 
 
 async def test_a_failed_statement_fails_its_batch_only() -> None:
