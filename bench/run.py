@@ -324,18 +324,21 @@ async def bench_admit(
 # -- 2. promotion latency -----------------------------------------------------------------------
 
 
-async def _promotion_gaps(dsn: str) -> list[float]:
+async def _promotion_gaps(dsn: str) -> list[tuple[int, float]]:
+    """Each promotion's gap (completion committed -> next job running), with its rank among its
+    user's promotions (1 = the user's first)."""
     conn = await asyncpg.connect(dsn)
     try:
         rows = await conn.fetch(
-            """SELECT extract(epoch FROM nxt.started_at - prev.finished_at) AS gap
+            """SELECT extract(epoch FROM nxt.started_at - prev.finished_at) AS gap,
+                      row_number() OVER (PARTITION BY prev.user_id ORDER BY prev.queue_seq) AS k
                  FROM analysis_jobs prev
                  JOIN LATERAL (SELECT * FROM analysis_jobs n
                                 WHERE n.user_id = prev.user_id AND n.queue_seq > prev.queue_seq
                                 ORDER BY n.queue_seq LIMIT 1) nxt ON true
                 WHERE prev.finished_at IS NOT NULL AND nxt.started_at IS NOT NULL"""
         )
-        return [float(r["gap"]) for r in rows]
+        return [(int(r["k"]), float(r["gap"])) for r in rows]
     finally:
         await conn.close()
 
@@ -343,11 +346,16 @@ async def _promotion_gaps(dsn: str) -> list[float]:
 async def _admit_chain(
     base: str, http: aiohttp.ClientSession, users: list[str], per_user: int
 ) -> None:
-    for u in users:
+    """Each user's jobs in order, the users side by side (as a busy service would see them, so
+    its pool is open and warm when the measurement starts)."""
+
+    async def one_user(u: str) -> None:
         auth = {"Authorization": f"Bearer {mint_token(u, SECRETS['AQ_JWT_SECRET'])}"}
         for n in range(per_user):
             async with http.post(f"{base}/v1/analyses", json=_body(n), headers=auth) as r:
                 assert r.status == 201, await r.text()
+
+    await asyncio.gather(*(one_user(u) for u in users))
 
 
 async def _wait_all_terminal(dsn: str, total: int, timeout_s: float) -> float:
@@ -445,14 +453,23 @@ async def promotion_external(
         return _latency_summary(await _promotion_gaps(dsn))
 
 
-def _latency_summary(gaps: list[float]) -> dict[str, Any]:
-    ms = [g * 1e3 for g in gaps]
-    return {
-        "n": len(ms),
-        "p50_ms": pct(ms, 50),
-        "p99_ms": pct(ms, 99),
-        "max_ms": max(ms) if ms else float("nan"),
-    }
+def _latency_summary(ranked: list[tuple[int, float]]) -> dict[str, Any]:
+    """p50/p99/max of all promotions, and of all but each user's first: the first round starts
+    every user's chain at once, on server backends that have not yet run (and compiled) the
+    promotion functions; it is reported, and kept apart from the steady state."""
+
+    def summary(gaps: list[float]) -> dict[str, Any]:
+        ms = [g * 1e3 for g in gaps]
+        return {
+            "n": len(ms),
+            "p50_ms": pct(ms, 50),
+            "p99_ms": pct(ms, 99),
+            "max_ms": max(ms) if ms else float("nan"),
+        }
+
+    out = summary([g for _k, g in ranked])
+    out["steady"] = summary([g for k, g in ranked if k > 1])
+    return out
 
 
 # -- 3. drain -----------------------------------------------------------------------------------
@@ -810,8 +827,14 @@ def print_admit(r: dict[str, Any]) -> None:
 def print_promotion(r: dict[str, Any]) -> None:
     print("\n2. Promotion latency: completion commit -> next job running in Core")
     for label, v in r.items():
+        s = v.get("steady", {})
         print(
-            f"   {label:18} n={v['n']:5d}  p50 {v['p50_ms']:7.1f} ms  p99 {v['p99_ms']:7.1f} ms  max {v['max_ms']:7.1f} ms"
+            f"   {label:19} n={v['n']:5d}  p50 {v['p50_ms']:6.1f}  p99 {v['p99_ms']:6.1f}  max {v['max_ms']:6.1f} ms"
+            + (
+                f"  | without each user's first: p50 {s['p50_ms']:6.1f}  p99 {s['p99_ms']:6.1f} ms"
+                if s
+                else ""
+            )
         )
 
 
