@@ -10,6 +10,7 @@ time), so a redeploy continues it; at ``promoted_at + release_window_s`` the job
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -288,6 +289,11 @@ class Dispatcher:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1)
+        # A claim or running mark still being written for a dispatch that ended meanwhile.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(self._claims.idle(), self._running.idle()), timeout=2
+            )
 
     async def drain(self) -> None:
         """Wait until no release is in flight (tests)."""

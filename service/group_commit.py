@@ -13,8 +13,11 @@ A failed statement fails every caller of its batch with the same exception and n
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -53,26 +56,40 @@ class GroupCommit(Generic[K, V]):
             while self._waiting:
                 batch = self._waiting[: self._max_batch]
                 del self._waiting[: self._max_batch]
+                # A caller cancelled while it waited (a dispatch cut short at shutdown) wants
+                # nothing written for it any more.
+                batch = [(key, future) for key, future in batch if not future.done()]
+                if not batch:
+                    continue
                 try:
                     found = await self._flush([key for key, _ in batch])
-                except asyncio.CancelledError:
-                    for _, future in batch:
-                        future.cancel()
-                    raise
-                except Exception as exc:
+                except BaseException as exc:
                     for _, future in batch:
                         if not future.done():
-                            future.set_exception(exc)
+                            if isinstance(exc, asyncio.CancelledError):
+                                future.cancel()
+                            else:
+                                future.set_exception(exc)
+                    if not isinstance(exc, Exception):
+                        raise
                     continue
+                for key, future in batch:
+                    if not future.done():  # its caller may have been cancelled meanwhile
+                        future.set_result(found.get(key))
                 self.batches += 1
                 self.keys += len(batch)
                 if self._on_batch is not None:
-                    self._on_batch(len(batch))
-                for key, future in batch:
-                    if not future.done():  # its caller may have been cancelled
-                        future.set_result(found.get(key))
+                    try:
+                        self._on_batch(len(batch))
+                    except Exception:
+                        log.exception("group commit: the batch callback failed")
         finally:
             self._flusher = None
             for _, future in self._waiting:  # only when cancelled mid-way
                 future.cancel()
             self._waiting.clear()
+
+    async def idle(self) -> None:
+        """Wait until nothing is being written (shutdown: no statement outlives its owner)."""
+        while self._flusher is not None:
+            await asyncio.wait({self._flusher})

@@ -100,8 +100,10 @@ SELECT j.*,
 -- Claim pending jobs for release, so that only one instance releases each: $1 job ids,
 -- $2 instance id, $3 lease seconds. Compare-and-set on status, lease and retry schedule; returns
 -- the jobs claimed. One statement for every dispatch that asked while the previous one ran.
--- SKIP LOCKED: a row locked by another instance's claim is theirs, and a claim never waits
--- while holding other rows (two instances claim overlapping sets: both hear every NOTIFY).
+-- SKIP LOCKED: a claim never waits while holding other rows (two instances claim overlapping
+-- sets: both hear every NOTIFY). A row someone holds is another instance's claim (theirs) or a
+-- finish or cancel (it moves on); the rare holder that changes nothing (a cancel that found the
+-- job no longer queued, then could not reach Core) leaves the job to the sweep's pending pass.
 UPDATE analysis_jobs j
    SET claimed_by = $2,
        claim_expires_at = clock_timestamp() + make_interval(secs => $3),

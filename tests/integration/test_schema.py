@@ -653,3 +653,38 @@ async def test_a_batch_of_running_marks_waits_for_an_exclusive_promotion_pass(
     finally:
         await holder.close()
     assert set(moved) == set(ids)
+
+
+async def test_a_batch_of_running_marks_waits_for_a_finish_of_the_same_user(
+    db: Database, database_url: str
+) -> None:
+    """A user with two active jobs: one is finished (user lock, then its row, then the user's
+    event counter) while the other's release is marked in a batch with both. The batch must
+    wait for the user lock before it touches the user's rows and counter, or the two deadlock:
+    the batch holding the counter (from the first job) and waiting for the second job's row."""
+    await db.set_user_limit("two", 2)
+    first, second = sorted([await _admit(db, "two"), await _admit(db, "two")], key=lambda j: j.id)
+    assert (first.status, second.status) == ("pending", "pending")
+    assert set(await db.claim([first.id, second.id], "inst-a", 60)) == {first.id, second.id}
+    finisher = await asyncpg.connect(database_url)
+    try:
+        tx = finisher.transaction()
+        await tx.start()
+        await finisher.execute("SELECT aq_lock_user_v1('two')")
+        await finisher.execute("SELECT 1 FROM analysis_jobs WHERE id = $1 FOR UPDATE", second.id)
+        marking = asyncio.create_task(db.mark_running([first.id, second.id], "inst-a"))
+        await asyncio.sleep(0.3)
+        assert not marking.done(), "the batch did not wait for the user's lock"
+        # The finish goes on to write its event: it must not wait for the batch.
+        await asyncio.wait_for(
+            finisher.execute(
+                "UPDATE analysis_jobs SET status = 'succeeded', finished_at = now() WHERE id = $1",
+                second.id,
+            ),
+            timeout=0.5,
+        )
+        await tx.commit()
+        moved = await asyncio.wait_for(marking, 5)
+    finally:
+        await finisher.close()
+    assert set(moved) == {first.id}, "the finished job stays finished"

@@ -94,3 +94,45 @@ async def test_a_cancelled_caller_does_not_break_its_batch() -> None:
 def test_max_batch_must_be_positive() -> None:
     with pytest.raises(ValueError):
         GroupCommit(Recorder(), max_batch=0)
+
+
+async def test_a_failing_batch_callback_does_not_strand_the_callers() -> None:
+    def broken(_n: int) -> None:
+        raise RuntimeError("metrics are broken")
+
+    group: GroupCommit[int, str] = GroupCommit(Recorder(), on_batch=broken)
+    assert await asyncio.wait_for(asyncio.gather(group.submit(0), group.submit(2)), 1) == [
+        "v0",
+        "v2",
+    ]
+    assert await asyncio.wait_for(group.submit(4), 1) == "v4", "and the group goes on"
+
+
+async def test_a_caller_cancelled_before_its_batch_is_not_written() -> None:
+    flush = Recorder()
+    flush.gate.clear()
+    group: GroupCommit[int, str] = GroupCommit(flush)
+    first = asyncio.create_task(group.submit(0))
+    await asyncio.sleep(0.01)  # 0 in flight
+    gone = asyncio.create_task(group.submit(2))
+    stays = asyncio.create_task(group.submit(4))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    flush.gate.set()
+    assert (await first, await stays) == ("v0", "v4")
+    assert flush.batches == [[0], [4]], "the cancelled caller's key was written"
+
+
+async def test_idle_waits_for_the_statement_in_flight() -> None:
+    flush = Recorder()
+    flush.gate.clear()
+    group: GroupCommit[int, str] = GroupCommit(flush)
+    caller = asyncio.create_task(group.submit(0))
+    await asyncio.sleep(0.01)
+    caller.cancel()  # its owner is gone; the statement is still being written
+    idle = asyncio.create_task(group.idle())
+    await asyncio.sleep(0.01)
+    assert not idle.done()
+    flush.gate.set()
+    await asyncio.wait_for(idle, 1)
+    assert flush.batches == [[0]]
