@@ -35,13 +35,13 @@ import asyncpg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.auth import mint_token  # noqa: E402
-from service.core_client import CoreClient  # noqa: E402
-from service.db import Database, apply_migrations  # noqa: E402
-from service.dispatch import Dispatcher, DispatchSettings  # noqa: E402
-from service.promoter import Promoter  # noqa: E402
-from service.sqlfiles import queries  # noqa: E402
-from service.sweeper import Sweeper, SweepSettings  # noqa: E402
+from analysis_queue.core.client import CoreClient  # noqa: E402
+from analysis_queue.http.auth import mint_token  # noqa: E402
+from analysis_queue.loops.sweep import Sweeper, SweepSettings  # noqa: E402
+from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings  # noqa: E402
+from analysis_queue.queue.promote import Promoter  # noqa: E402
+from analysis_queue.store.database import Database, apply_migrations  # noqa: E402
+from analysis_queue.store.sqlfiles import queries  # noqa: E402
 
 SECRETS = {
     "AQ_JWT_SECRET": "bench-jwt-secret-0123456789abcdef0123",
@@ -71,7 +71,7 @@ def server_dsn(tmp: Path) -> str:
     dsn = os.environ.get("AQ_BENCH_DATABASE_URL") or os.environ.get("AQ_TEST_DATABASE_URL")
     if dsn:
         return dsn
-    from service.embedded import start_embedded
+    from analysis_queue.store.embedded import start_embedded
 
     return start_embedded(tmp / "pg", keep=False)
 
@@ -134,7 +134,7 @@ async def running_stack(
 ) -> AsyncIterator[tuple[str, str, Proc]]:
     """A Core simulator process and one service process on ``dsn``."""
     port, sim_port = free_port(), free_port()
-    cli = [sys.executable, "-m", "service.cli"]
+    cli = [sys.executable, "-m", "analysis_queue.cli"]
     sim = Proc(
         [
             *cli,
@@ -713,7 +713,7 @@ async def bench_sweep(server: str, histories: list[int], users_n: int) -> dict[s
                 )
                 await conn.execute("VACUUM ANALYZE analysis_jobs")
                 plans = {}
-                from service.sqlfiles import queries
+                from analysis_queue.store.sqlfiles import queries
 
                 q = queries()
                 for name, args in (

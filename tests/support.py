@@ -14,12 +14,11 @@ from typing import Any
 import aiohttp
 import asyncpg
 from aiohttp import web
-
-from service.app import build_app
-from service.auth import mint_token
-from service.config import Settings
-from service.core_sim import CoreSimulator
-from service.state import SERVICES, Services
+from analysis_queue.app import build_app
+from analysis_queue.config import Settings
+from analysis_queue.core.sim import CoreSimulator
+from analysis_queue.http.auth import mint_token
+from analysis_queue.http.state import SERVICES, Services
 
 JWT_SECRET = "test-jwt-secret-0123456789abcdef0123"
 ADMIN_TOKEN = "test-admin-token"

@@ -37,7 +37,7 @@ SERVICE_ENV = {
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "service.cli", *args]
+    return [sys.executable, "-m", "analysis_queue.cli", *args]
 
 
 def base_env(tmp: Path, **values: str) -> dict[str, str]:

@@ -33,10 +33,9 @@ import aiohttp
 import asyncpg
 import orjson
 import pytest
+from analysis_queue.http.auth import mint_token
 from procs import SECRETS, SERVICE_ENV, Node, Proc, base_env, cli
 from support import assert_within_limits, check_invariants, fetch, fetchval, free_port, thesis_body
-
-from service.auth import mint_token
 
 pytestmark = pytest.mark.acceptance
 

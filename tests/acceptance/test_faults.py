@@ -38,6 +38,8 @@ from typing import Any
 import aiohttp
 import asyncpg
 import pytest
+from analysis_queue.http.auth import mint_token
+from analysis_queue.store.database import apply_migrations
 from procs import (
     RELEASE_BACKOFF_MAX_S,
     RELEASE_WINDOW_S,
@@ -49,9 +51,6 @@ from procs import (
     cli,
 )
 from support import assert_fifo_serial, check_invariants, fetch, fetchval, free_port, thesis_body
-
-from service.auth import mint_token
-from service.db import apply_migrations
 
 pytestmark = pytest.mark.acceptance
 
@@ -960,7 +959,7 @@ class PrivatePg:
     @classmethod
     def start(cls) -> PrivatePg:
         """Start a fresh server; raises if it cannot start here (nothing is left behind)."""
-        from service.embedded import start_embedded
+        from analysis_queue.store.embedded import start_embedded
 
         root = Path(tempfile.mkdtemp(prefix="aq-faults-pg-"))
         try:

@@ -32,7 +32,7 @@ def _env(**values: str) -> dict[str, str]:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "service.cli", *args]
+    return [sys.executable, "-m", "analysis_queue.cli", *args]
 
 
 class Proc:
@@ -164,7 +164,7 @@ async def test_two_processes_share_one_database(
     for proc, base in instances:
         await _ready(http, base, proc)
 
-    from service.auth import mint_token
+    from analysis_queue.http.auth import mint_token
 
     users = [f"user-{i}" for i in range(5)]
     admin = {"Authorization": f"Bearer {SECRETS['AQ_ADMIN_TOKEN']}"}

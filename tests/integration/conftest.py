@@ -5,9 +5,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from analysis_queue.core.sim import CoreSimulator
 from support import CALLBACK_SECRET, Harness
-
-from service.core_sim import CoreSimulator
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 import pytest
+from analysis_queue.core.client import sign_callback
+from analysis_queue.http.auth import mint_token
 from support import (
     CALLBACK_SECRET,
     JWT_SECRET,
@@ -23,9 +25,6 @@ from support import (
     thesis_body,
     wait_for,
 )
-
-from service.auth import mint_token
-from service.core_client import sign_callback
 
 PROBLEM_JSON = "application/problem+json"
 SLOW_JUDGE_S = 30.0  # a released run stays "judging" for the whole test
@@ -147,9 +146,9 @@ async def _quiet_instance(h: Harness, **overrides: Any) -> Instance:
 # -- 1. refusals at admit ---------------------------------------------------------------------
 
 
-# The edge (service.schemas) refuses a source that is not a DOI or an http(s) URL before Core is
-# asked, so Core's own refusal needs a well-formed source Core does not accept: a DOI that does
-# not resolve (the simulator's registry knows no 10.9999 registrant).
+# The edge (analysis_queue.http.bodies) refuses a source that is not a DOI or an http(s) URL
+# before Core is asked, so Core's own refusal needs a well-formed source Core does not accept:
+# a DOI that does not resolve (the simulator's registry knows no 10.9999 registrant).
 UNKNOWN_DOI = "10.9999/unknown-to-core"
 
 

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from analysis_queue.http.auth import mint_token
 from support import JWT_SECRET, Harness, fetchval
-
-from service.auth import mint_token
 
 CHROMIUM = Path("/usr/bin/chromium")
 # This machine blocks outside connections: nothing in the browser may try to reach out.

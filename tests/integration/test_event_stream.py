@@ -17,10 +17,9 @@ import aiohttp
 import asyncpg
 import orjson
 import pytest
+from analysis_queue.http.auth import mint_token
+from analysis_queue.store.database import Database
 from support import JWT_SECRET, Harness, Instance, fetch, fetchval, thesis_body, wait_for
-
-from service.auth import mint_token
-from service.db import Database
 
 WAIT_S = 10.0
 

@@ -20,6 +20,7 @@ import orjson
 import pytest
 import requests
 import schemathesis
+from analysis_queue.http import openapi
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.errors import Unsatisfiable
@@ -32,8 +33,6 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 from support import ADMIN_TOKEN, Harness, Instance, check_invariants, thesis_body
-
-from service import openapi
 
 FUZZER = "fuzzer"
 # Per operation and generation mode: the whole run takes about 10 s (the timeout is the bound).

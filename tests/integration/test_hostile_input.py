@@ -27,6 +27,7 @@ import orjson
 import pytest
 import pytest_asyncio
 from aiohttp import ClientSession
+from analysis_queue.core.sim import CoreSimulator
 from support import (
     ADMIN_TOKEN,
     CALLBACK_SECRET,
@@ -38,8 +39,6 @@ from support import (
     fetchval,
     thesis_body,
 )
-
-from service.core_sim import CoreSimulator
 
 PROBLEM_JSON = "application/problem+json"
 SQL = "'; DROP TABLE analysis_jobs; --"

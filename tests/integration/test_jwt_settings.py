@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from analysis_queue.http.auth import mint_token
 from support import JWT_SECRET, Harness
-
-from service.auth import mint_token
 
 ISSUER = "https://idp.uni.example"
 AUDIENCE = "analysis-queue"

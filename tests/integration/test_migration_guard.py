@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncpg
 import pytest
-
-from service.db import Database, MigrationChanged, apply_migrations
+from analysis_queue.store.database import Database, MigrationChanged, apply_migrations
 
 
 async def test_changed_migration_refuses_to_start(database_url: str) -> None:

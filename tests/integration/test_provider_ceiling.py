@@ -14,6 +14,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from analysis_queue.models import OPEN_STATUSES
 from support import (
     Harness,
     assert_within_limits,
@@ -22,8 +23,6 @@ from support import (
     fetchval,
     wait_for,
 )
-
-from service.models import OPEN_STATUSES
 
 CEILING = 4
 FOREVER_S = 3600.0

@@ -18,11 +18,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from analysis_queue.models import Job
+from analysis_queue.store.database import JOBS_CHANNEL, Database, apply_migrations
+from analysis_queue.store.sqlfiles import migrations, queries
 from support import check_invariants, wait_for
-
-from service.db import JOBS_CHANNEL, Database, apply_migrations
-from service.models import Job
-from service.sqlfiles import migrations, queries
 
 REPO = Path(__file__).resolve().parents[2]
 THESIS = {"title": "On locks", "document_url": "https://uni.example/locks.pdf"}
@@ -569,20 +568,21 @@ def test_wheel_carries_the_sql(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         for required in (
-            "service/_sql/0001_schema.sql",
-            "service/_sql/queries.sql",
-            "service/_triggers/0003_job_notify_v1.sql",
+            "analysis_queue/_sql/0001_schema.sql",
+            "analysis_queue/_sql/queries.sql",
+            "analysis_queue/_triggers/0003_job_notify_v1.sql",
             # The dashboard is package data: a non-editable install serves it too.
-            "service/static/index.html",
-            "service/static/app.js",
-            "service/static/app.css",
+            "analysis_queue/http/static/index.html",
+            "analysis_queue/http/static/app.js",
+            "analysis_queue/http/static/app.css",
         ):
             assert required in names, sorted(names)
         site = tmp_path / "site"
         zf.extractall(site)
 
     script = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import service.sqlfiles as s; "
+        "import json, sys; sys.path.insert(0, sys.argv[1]); "
+        "import analysis_queue.store.sqlfiles as s; "
         "print(json.dumps([len(s.migrations()), len(s.queries()), str(s.sql_dir('sql')), "
         "str(s.sql_dir('triggers')), s.__file__]))"
     )
@@ -597,8 +597,8 @@ def test_wheel_carries_the_sql(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     n_migrations, n_queries, sql, triggers, module = json.loads(result.stdout)
     assert (n_migrations, n_queries) == (len(migrations()), len(queries()))
-    assert Path(sql) == (site / "service" / "_sql").resolve()
-    assert Path(triggers) == (site / "service" / "_triggers").resolve()
+    assert Path(sql) == (site / "analysis_queue" / "_sql").resolve()
+    assert Path(triggers) == (site / "analysis_queue" / "_triggers").resolve()
     assert Path(module).resolve().is_relative_to(site.resolve())
 
 

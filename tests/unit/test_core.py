@@ -11,10 +11,9 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import ClientSession, web
-
-from service.core_client import CoreClient, CoreRun, sign_callback, verify_callback
-from service.core_sim import VERDICTS, CoreSimulator, verdict_for
-from service.errors import (
+from analysis_queue.core.client import CoreClient, CoreRun, sign_callback, verify_callback
+from analysis_queue.core.sim import VERDICTS, CoreSimulator, verdict_for
+from analysis_queue.errors import (
     CoreRunGone,
     CoreUnavailable,
     InvalidSource,

@@ -11,13 +11,12 @@ from uuid import uuid4
 import orjson
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from analysis_queue.http.events import _last_event_id
+from analysis_queue.logs import HumanFormatter, JsonFormatter, RedactTokens, redact
+from analysis_queue.loops.hub import Frame, Subscription, encode, event_frame
+from analysis_queue.models import Job, JobEvent
 
-from service.events import _last_event_id
-from service.hub import Frame, Subscription, encode, event_frame
-from service.logs import HumanFormatter, JsonFormatter, RedactTokens, redact
-from service.models import Job, JobEvent
-
-STATIC = Path(__file__).resolve().parents[2] / "service" / "static"
+STATIC = Path(__file__).resolve().parents[2] / "service" / "analysis_queue" / "http" / "static"
 
 
 def _job(**overrides: object) -> Job:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from service.group_commit import GroupCommit
+from analysis_queue.queue.group_commit import GroupCommit
 
 
 class Recorder:

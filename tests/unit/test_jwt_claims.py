@@ -8,9 +8,8 @@ from typing import Any
 
 import jwt
 import pytest
-
-from service import cli, errors
-from service.auth import LEEWAY_S, JwtPolicy, TokenCache, mint_token, user_from_header
+from analysis_queue import cli, errors
+from analysis_queue.http.auth import LEEWAY_S, JwtPolicy, TokenCache, mint_token, user_from_header
 
 SECRET = "unit-secret-0123456789abcdef0123456789"
 ISSUER = "https://idp.uni.example"

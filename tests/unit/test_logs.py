@@ -6,8 +6,7 @@ import io
 import logging
 
 import orjson
-
-from service.logs import JsonFormatter, RedactTokens, RequestIdFilter, request_id_var
+from analysis_queue.logs import JsonFormatter, RedactTokens, RequestIdFilter, request_id_var
 
 
 def test_request_id_and_redaction_reach_the_json_line() -> None:

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import schemathesis
 from aiohttp import web
-
-from service import openapi, schemas
-from service.app import build_app
-from service.config import Settings
+from analysis_queue.app import build_app
+from analysis_queue.config import Settings
+from analysis_queue.http import bodies as schemas
+from analysis_queue.http import openapi
 
 HTTP_METHODS = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
 

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from typing import Any, cast
 from uuid import UUID
 
-from service.db import Database
-from service.dispatch import Dispatcher
-from service.metrics import Metrics
-from service.models import Job
-from service.promoter import PASS_BATCH, Promoter
+from analysis_queue.metrics import Metrics
+from analysis_queue.models import Job
+from analysis_queue.queue.dispatch import Dispatcher
+from analysis_queue.queue.promote import PASS_BATCH, Promoter
+from analysis_queue.store.database import Database
 
 
 class RecordingDatabase:

@@ -6,9 +6,8 @@ import time
 
 import jwt
 import pytest
-
-from service import errors
-from service.auth import TokenCache, mint_token
+from analysis_queue import errors
+from analysis_queue.http.auth import TokenCache, mint_token
 
 SECRET = "unit-secret-0123456789abcdef0123456789"
 

@@ -16,14 +16,13 @@ import jwt
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-
-from service import errors
-from service.api import problem_middleware
-from service.auth import mint_token, require_admin, user_from_header
-from service.config import SECRETS_FILE, Settings
-from service.dispatch import next_attempt_at
-from service.models import Job
-from service.sqlfiles import migrations, parse_queries, queries, sql_dir
+from analysis_queue import errors
+from analysis_queue.config import SECRETS_FILE, Settings
+from analysis_queue.http.auth import mint_token, require_admin, user_from_header
+from analysis_queue.http.routes import problem_middleware
+from analysis_queue.models import Job
+from analysis_queue.queue.dispatch import next_attempt_at
+from analysis_queue.store.sqlfiles import migrations, parse_queries, queries, sql_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "unit-test-jwt-secret-0123456789abcdef-0123456789abcdef-0123456789"
@@ -124,7 +123,7 @@ def test_parse_queries_rejects_a_duplicate_name() -> None:
 
 
 def test_every_query_db_uses_is_defined() -> None:
-    source = (REPO / "service" / "db.py").read_text()
+    source = (REPO / "service" / "analysis_queue" / "store" / "database.py").read_text()
     used = set(re.findall(r"self\._(?:fetchrow|fetch|execute)\(\s*\"([a-z0-9_]+)\"", source))
     # Sanity: the scan finds the calls (including ones wrapped over several lines).
     assert {"reserve", "admit", "finish", "promote", "jobs_claim", "credit_grant"} <= used

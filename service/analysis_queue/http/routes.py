@@ -13,14 +13,10 @@ import orjson
 import pydantic
 from aiohttp import web
 
-from . import errors
-from .auth import require_admin
-from .completion import apply_core_run
-from .core_client import CoreRun, verify_callback
-from .logs import request_id_var
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .models import ACTIVE_STATUSES, Finish, Job, StaleReservation
-from .schemas import (
+from analysis_queue import errors
+from analysis_queue.core.client import CoreRun, verify_callback
+from analysis_queue.http.auth import require_admin
+from analysis_queue.http.bodies import (
     CONTROL_CHARS,
     MAX_USER_ID_CHARS,
     AnalysisRequest,
@@ -28,7 +24,11 @@ from .schemas import (
     RecheckRequest,
     UserLimitRequest,
 )
-from .state import SERVICES, Services
+from analysis_queue.http.state import SERVICES, Services
+from analysis_queue.logs import request_id_var
+from analysis_queue.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from analysis_queue.models import ACTIVE_STATUSES, Finish, Job, StaleReservation
+from analysis_queue.queue.finish import apply_core_run
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
   queued job is promoted under the user lock, within milliseconds of the commit.
 - With the provider ceiling on, any job leaving ``pending``/``running`` frees a global slot and
   a queued job that may wait for capacity may take one: both ask for a promotion pass, which
-  gives free slots to whoever's turn it is (``promoter.py``).
+  gives free slots to whoever's turn it is (``queue/promote.py``).
 NOTIFY is only a wake-up: every action re-reads the database under the lock. Notifications sent
 while the connection is down are lost for good, so each (re)connect LISTENs first and then asks
 the sweep for a catch-up pass. A ping every few seconds notices a half-open connection.
@@ -25,10 +25,10 @@ from uuid import UUID
 
 import orjson
 
-from . import errors
-from .db import Database, ListenConnection
-from .dispatch import Dispatcher
-from .promoter import Promoter
+from analysis_queue import errors
+from analysis_queue.queue.dispatch import Dispatcher
+from analysis_queue.queue.promote import Promoter
+from analysis_queue.store.database import Database, ListenConnection
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-from service.errors import (
+from analysis_queue.errors import (
     CoreRunGone,
     CoreUnavailable,
     InvalidSource,

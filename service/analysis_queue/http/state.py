@@ -6,17 +6,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from .admit import Admitter
-from .auth import TokenCache
-from .config import Settings
-from .core_client import CoreClient
-from .core_sim import CoreSimulator
-from .db import Database
-from .dispatch import Dispatcher
-from .hub import EventHub
-from .listener import Listener
-from .promoter import Promoter
-from .sweeper import Sweeper
+from analysis_queue.config import Settings
+from analysis_queue.core.client import CoreClient
+from analysis_queue.core.sim import CoreSimulator
+from analysis_queue.http.auth import TokenCache
+from analysis_queue.loops.hub import EventHub
+from analysis_queue.loops.listener import Listener
+from analysis_queue.loops.sweep import Sweeper
+from analysis_queue.queue.admit import Admitter
+from analysis_queue.queue.dispatch import Dispatcher
+from analysis_queue.queue.promote import Promoter
+from analysis_queue.store.database import Database
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 
 import jwt
 
-from . import errors
+from analysis_queue import errors
 
 ALGORITHM = "HS256"
 TOKEN_TTL_S = 24 * 3600

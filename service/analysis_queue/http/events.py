@@ -27,8 +27,9 @@ from collections.abc import Iterable
 
 from aiohttp import web
 
-from . import errors
-from .hub import (
+from analysis_queue import errors
+from analysis_queue.http.state import SERVICES
+from analysis_queue.loops.hub import (
     HEARTBEAT,
     EventHub,
     Frame,
@@ -37,7 +38,6 @@ from .hub import (
     position_frame,
     snapshot_frame,
 )
-from .state import SERVICES
 
 log = logging.getLogger(__name__)
 

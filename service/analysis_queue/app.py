@@ -15,20 +15,21 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from . import api, dashboard, events, openapi
-from .admit import Admitter
-from .auth import TokenCache
-from .config import Settings
-from .core_client import CoreClient
-from .core_sim import CoreSimulator
-from .db import Database, apply_migrations
-from .dispatch import Dispatcher, DispatchSettings
-from .embedded import start_embedded
-from .hub import EventHub, HubSettings
-from .listener import Listener, ListenerSettings
-from .promoter import Promoter
-from .state import SERVICES, Services
-from .sweeper import Sweeper, SweepSettings
+from analysis_queue.config import Settings
+from analysis_queue.core.client import CoreClient
+from analysis_queue.core.sim import CoreSimulator
+from analysis_queue.http import dashboard, events, openapi
+from analysis_queue.http import routes as api
+from analysis_queue.http.auth import TokenCache
+from analysis_queue.http.state import SERVICES, Services
+from analysis_queue.loops.hub import EventHub, HubSettings
+from analysis_queue.loops.listener import Listener, ListenerSettings
+from analysis_queue.loops.sweep import Sweeper, SweepSettings
+from analysis_queue.queue.admit import Admitter
+from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
+from analysis_queue.queue.promote import Promoter
+from analysis_queue.store.database import Database, apply_migrations
+from analysis_queue.store.embedded import start_embedded
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from uuid import UUID
 
 import orjson
 
-from . import errors
-from .core_client import CoreClient
-from .db import Database
-from .metrics import Metrics
-from .models import Job
+from analysis_queue import errors
+from analysis_queue.core.client import CoreClient
+from analysis_queue.metrics import Metrics
+from analysis_queue.models import Job
+from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from . import errors
-from .db import Database
-from .dispatch import Dispatcher
-from .models import Job
+from analysis_queue import errors
+from analysis_queue.models import Job
+from analysis_queue.queue.dispatch import Dispatcher
+from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
 

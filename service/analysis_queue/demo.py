@@ -17,11 +17,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from . import logs
-from .app import build_app
-from .auth import mint_token
-from .config import Settings
-from .state import SERVICES
+from analysis_queue import logs
+from analysis_queue.app import build_app
+from analysis_queue.config import Settings
+from analysis_queue.http.auth import mint_token
+from analysis_queue.http.state import SERVICES
 
 POLL_S = 0.05
 

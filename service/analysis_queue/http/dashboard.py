@@ -1,6 +1,6 @@
 """The dashboard: a static page (HTML, CSS, a small vanilla script) at ``/``.
 
-No build step: the files live in ``service/static/`` and ship in the wheel as package data.
+No build step: the files live in ``static/`` beside this module, package data of the wheel.
 The page signs in with a pasted token, submits analyses, cancels queued ones, and updates from
 ``GET /v1/events`` only: it never polls.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import errors
+from analysis_queue import errors
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 CONTENT_TYPES = {

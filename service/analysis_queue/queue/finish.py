@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 
-from .core_client import CoreRun
-from .db import Database
-from .dispatch import Dispatcher
+from analysis_queue.core.client import CoreRun
+from analysis_queue.queue.dispatch import Dispatcher
+from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
 

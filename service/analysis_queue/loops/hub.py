@@ -33,10 +33,10 @@ from uuid import UUID
 
 import orjson
 
-from . import errors
-from .db import Database
-from .metrics import Metrics
-from .models import Job, JobEvent
+from analysis_queue import errors
+from analysis_queue.metrics import Metrics
+from analysis_queue.models import Job, JobEvent
+from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ import orjson
 import pydantic
 from aiohttp import web
 
-from . import api, schemas
-from .auth import MAX_USER_ID_LEN
-from .core_client import CALLBACK_WINDOW_S
+from analysis_queue.core.client import CALLBACK_WINDOW_S
+from analysis_queue.http import bodies as schemas
+from analysis_queue.http import routes as api
+from analysis_queue.http.auth import MAX_USER_ID_LEN
 
 OPENAPI_VERSION = "3.1.0"
 # Methods aiohttp answers without a route of their own (HEAD for every GET).

@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass
 from uuid import UUID
 
-from . import errors
-from .completion import apply_core_run
-from .core_client import CoreClient
-from .db import Database
-from .dispatch import Dispatcher
-from .models import StaleReservation
-from .promoter import Promoter
+from analysis_queue import errors
+from analysis_queue.core.client import CoreClient
+from analysis_queue.models import StaleReservation
+from analysis_queue.queue.dispatch import Dispatcher
+from analysis_queue.queue.finish import apply_core_run
+from analysis_queue.queue.promote import Promoter
+from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ from uuid import UUID
 
 import tenacity
 
-from . import errors
-from .core_client import CoreClient
-from .db import Database
-from .group_commit import GroupCommit
-from .metrics import Metrics
-from .models import Job, StaleReservation
+from analysis_queue import errors
+from analysis_queue.core.client import CoreClient
+from analysis_queue.metrics import Metrics
+from analysis_queue.models import Job, StaleReservation
+from analysis_queue.queue.group_commit import GroupCommit
+from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class Dispatcher:
         longer has it or cancelled it. An earlier release may have gone through with its
         ``running`` never written (the database went away, the instance died): then Core is
         judging or has finished the run, and the job follows Core instead of failing."""
-        from .completion import apply_core_run  # completion imports this module
+        from analysis_queue.queue.finish import apply_core_run  # completion imports this module
 
         assert job.core_run_id is not None
         try:

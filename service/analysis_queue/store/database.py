@@ -18,9 +18,17 @@ from uuid import UUID
 import asyncpg
 import orjson
 
-from . import errors
-from .models import Capacity, Finish, Job, JobEvent, Reservation, StaleReservation, UserLimit
-from .sqlfiles import migrations, queries
+from analysis_queue import errors
+from analysis_queue.models import (
+    Capacity,
+    Finish,
+    Job,
+    JobEvent,
+    Reservation,
+    StaleReservation,
+    UserLimit,
+)
+from analysis_queue.store.sqlfiles import migrations, queries
 
 log = logging.getLogger(__name__)
 

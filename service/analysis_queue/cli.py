@@ -10,11 +10,11 @@ import sys
 
 from aiohttp import web
 
-from . import logs
-from .app import build_app, resolve_dsn
-from .auth import mint_token
-from .config import Settings
-from .db import apply_migrations
+from analysis_queue import logs
+from analysis_queue.app import build_app, resolve_dsn
+from analysis_queue.config import Settings
+from analysis_queue.http.auth import mint_token
+from analysis_queue.store.database import apply_migrations
 
 
 def _serve(_args: argparse.Namespace) -> int:
@@ -68,7 +68,7 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def _core_sim(args: argparse.Namespace) -> int:
-    from .core_sim import run_standalone
+    from analysis_queue.core.sim import run_standalone
 
     settings = Settings().with_generated_secrets()
     logs.configure(settings.log_level)
@@ -83,7 +83,7 @@ def _core_sim(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from analysis_queue.demo import run_demo
 
     return asyncio.run(run_demo(theses=args.theses, judge_time_s=args.judge_time))
 

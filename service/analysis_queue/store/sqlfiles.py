@@ -1,7 +1,8 @@
 """Finds and loads the SQL that lives beside the code: migrations, triggers, named queries.
 
 In a checkout (and an editable install) the files are the repository's ``sql/`` and
-``triggers/``; a built wheel carries them as ``service/_sql`` and ``service/_triggers``.
+``triggers/``; a built wheel carries them inside the package as ``analysis_queue/_sql`` and
+``analysis_queue/_triggers``.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # analysis_queue/
+_REPOSITORY_DIR = _PACKAGE_DIR.parents[1]  # a checkout keeps the package in service/
 _QUERY_HEADER = re.compile(r"^-- ([a-z][a-z0-9_]*) --$", re.MULTILINE)
 _MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
 def sql_dir(name: str) -> Path:
     """The directory ``sql`` or ``triggers``, wherever this install keeps it."""
-    for candidate in (_PACKAGE_DIR / f"_{name}", _PACKAGE_DIR.parent / name):
+    for candidate in (_PACKAGE_DIR / f"_{name}", _REPOSITORY_DIR / name):
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(f"SQL directory {name!r} not found beside {_PACKAGE_DIR}")

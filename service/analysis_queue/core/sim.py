@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from service.core_client import sign_callback
+from analysis_queue.core.client import sign_callback
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""HTTP: routes, the event stream, request bodies, auth, the OpenAPI document, the dashboard."""

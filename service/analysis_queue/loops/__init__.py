@@ -1,0 +1,1 @@
+"""The background loops of an instance: the LISTEN connection, the sweep, the event hub."""
