@@ -40,7 +40,8 @@ from analysis_queue.http.auth import mint_token  # noqa: E402
 from analysis_queue.loops.sweep import Sweeper, SweepSettings  # noqa: E402
 from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings  # noqa: E402
 from analysis_queue.queue.promote import Promoter  # noqa: E402
-from analysis_queue.store.database import Database, apply_migrations  # noqa: E402
+from analysis_queue.store.database import Database  # noqa: E402
+from analysis_queue.store.migrate import apply_migrations  # noqa: E402
 from analysis_queue.store.sqlfiles import queries  # noqa: E402
 
 SECRETS = {

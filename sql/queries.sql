@@ -1,7 +1,7 @@
--- The queue's named queries, loaded once into a dict by service/sqlfiles.py.
+-- The queue's named queries, loaded once into a dict by store/sqlfiles.py.
 -- Each block: a "-- name --" line, a line saying what it does and its parameters, then the SQL.
--- The decisions that need the user lock are SQL functions (0002_queue_functions.sql); these
--- queries call them or do what needs no lock.
+-- The decisions that need locks are SQL functions (sql/functions/, locks in docs/locking.md);
+-- these queries call them or do what needs no lock.
 
 -- admit --
 -- Admit a reserved run as a job: $1 job id, $2 user, $3 run id, $4 Core run id, $5 thesis,
@@ -235,10 +235,6 @@ UPDATE core_run_reservations SET core_run_id = $2 WHERE run_id = $1;
 -- Core did not answer the create: whether it made a held run is unknown. Leave the reservation
 -- to the sweep (which re-asks Core and cancels) and free the key for the client's retry: $1 run id.
 UPDATE core_run_reservations SET idempotency_key = NULL, request_hash = NULL WHERE run_id = $1;
-
--- migrations_applied --
--- Versions of the applied migrations.
-SELECT version FROM aq_schema_migrations ORDER BY version;
 
 -- job_event_head --
 -- The id of a user's latest event (0 if none): $1 user.

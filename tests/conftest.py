@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
-from analysis_queue.store.database import apply_migrations
+from analysis_queue.store.migrate import apply_migrations
 
 log = logging.getLogger(__name__)
 _counter = itertools.count()
@@ -95,5 +95,14 @@ def template_db(pg_server: str) -> Iterator[str]:
 async def database_url(pg_server: str, template_db: str) -> object:
     name = f"aq_t_{os.getpid()}_{next(_counter)}"
     await _admin(pg_server, f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    yield with_database(pg_server, name)
+    await _admin(pg_server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+async def empty_database(pg_server: str) -> object:
+    """A database with nothing in it: migrations start from scratch."""
+    name = f"aq_mig_{os.getpid()}_{next(_counter)}"
+    await _admin(pg_server, f"CREATE DATABASE {name}")
     yield with_database(pg_server, name)
     await _admin(pg_server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -28,8 +28,9 @@ from analysis_queue.loops.sweep import Sweeper, SweepSettings
 from analysis_queue.queue.admit import Admitter
 from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.queue.promote import Promoter
-from analysis_queue.store.database import Database, apply_migrations
+from analysis_queue.store.database import Database
 from analysis_queue.store.embedded import start_embedded
+from analysis_queue.store.migrate import apply_migrations
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from analysis_queue import logs
 from analysis_queue.app import build_app, resolve_dsn
 from analysis_queue.config import Settings
 from analysis_queue.http.auth import mint_token
-from analysis_queue.store.database import apply_migrations
+from analysis_queue.store.migrate import apply_migrations
 
 
 def _serve(_args: argparse.Namespace) -> int:

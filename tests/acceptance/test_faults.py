@@ -39,7 +39,7 @@ import aiohttp
 import asyncpg
 import pytest
 from analysis_queue.http.auth import mint_token
-from analysis_queue.store.database import apply_migrations
+from analysis_queue.store.migrate import apply_migrations
 from procs import (
     RELEASE_BACKOFF_MAX_S,
     RELEASE_WINDOW_S,

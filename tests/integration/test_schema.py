@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 from analysis_queue.models import Job
-from analysis_queue.store.database import JOBS_CHANNEL, Database, apply_migrations
-from analysis_queue.store.sqlfiles import migrations, queries
+from analysis_queue.store.database import Database
+from analysis_queue.store.listen import JOBS_CHANNEL
+from analysis_queue.store.sqlfiles import migrations, queries, repeatables
 from support import check_invariants, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,31 +28,6 @@ THESIS = {"title": "On locks", "document_url": "https://uni.example/locks.pdf"}
 SOURCES = ["10.1000/a.1", "10.1000/a.2"]
 NOTIFY_KEYS = {"id", "user_id", "old", "new", "deleted", "delta", "at"}
 WAIT_S = 10.0
-
-
-def _with_database(dsn: str, dbname: str) -> str:
-    """conftest.with_database: the same server, another database."""
-    parts = urlsplit(dsn)
-    return urlunsplit(parts._replace(path="/" + dbname))
-
-
-async def _admin(dsn: str, *sql: str) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        for statement in sql:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
-async def empty_database(pg_server: str) -> AsyncIterator[str]:
-    name = f"aq_mig_{uuid.uuid4().hex[:16]}"
-    await _admin(pg_server, f"CREATE DATABASE {name}")
-    try:
-        yield _with_database(pg_server, name)
-    finally:
-        await _admin(pg_server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture
@@ -71,87 +46,6 @@ async def db(database_url: str) -> AsyncIterator[Database]:
         yield d
     finally:
         await d.close()
-
-
-# -- migrations ----------------------------------------------------------------------------
-
-
-async def test_concurrent_migrations_apply_each_version_once(empty_database: str) -> None:
-    versions = [m.version for m in migrations()]
-    runs = await asyncio.gather(*(apply_migrations(empty_database) for _ in range(4)))
-    applied = sorted(v for run in runs for v in run)
-    assert applied == versions, runs
-    assert sorted(len(run) for run in runs) == [0, 0, 0, len(versions)]
-
-    c = await asyncpg.connect(empty_database)
-    try:
-        rows = await c.fetch(
-            "SELECT version, count(*) AS n FROM aq_schema_migrations GROUP BY version"
-        )
-    finally:
-        await c.close()
-    assert {r["version"]: r["n"] for r in rows} == dict.fromkeys(versions, 1)
-
-    assert await apply_migrations(empty_database) == []
-
-
-CATALOG = {
-    "tables": """
-        SELECT table_name, table_type FROM information_schema.tables
-         WHERE table_schema = 'public' ORDER BY 1""",
-    "columns": """
-        SELECT table_name, column_name, ordinal_position, data_type, udt_name, is_nullable,
-               column_default
-          FROM information_schema.columns
-         WHERE table_schema = 'public' ORDER BY 1, 3""",
-    "indexes": """
-        SELECT tablename, indexname, indexdef FROM pg_indexes
-         WHERE schemaname = 'public' ORDER BY 1, 2""",
-    "constraints": """
-        SELECT c.conrelid::regclass::text, c.conname, pg_get_constraintdef(c.oid)
-          FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace
-         WHERE n.nspname = 'public' ORDER BY 1, 2""",
-    "functions": """
-        SELECT p.proname, pg_get_function_identity_arguments(p.oid),
-               pg_get_function_result(p.oid), md5(p.prosrc)
-          FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-         WHERE n.nspname = 'public' ORDER BY 1, 2""",
-    "triggers": """
-        SELECT t.tgrelid::regclass::text, t.tgname, pg_get_triggerdef(t.oid)
-          FROM pg_trigger t WHERE NOT t.tgisinternal ORDER BY 1, 2""",
-    "sequences": """
-        SELECT sequencename FROM pg_sequences WHERE schemaname = 'public' ORDER BY 1""",
-    "migrations": "SELECT version, name FROM aq_schema_migrations ORDER BY 1",
-}
-
-
-async def _catalog(dsn: str) -> dict[str, list[tuple[Any, ...]]]:
-    c = await asyncpg.connect(dsn)
-    try:
-        return {k: [tuple(r) for r in await c.fetch(sql)] for k, sql in CATALOG.items()}
-    finally:
-        await c.close()
-
-
-async def test_migrated_schema_equals_the_template(empty_database: str, database_url: str) -> None:
-    await apply_migrations(empty_database)
-    fresh = await _catalog(empty_database)
-    template = await _catalog(database_url)
-
-    tables = {t for t, _ in fresh["tables"]}
-    assert {"analysis_jobs", "credit_accounts", "credit_ledger", "core_run_reservations"} <= tables
-    indexes = {name for _, name, _ in fresh["indexes"]}
-    assert {
-        "analysis_jobs_user_slot",
-        "analysis_jobs_global_slot",
-        "analysis_jobs_turns",
-        "credit_ledger_one_debit",
-    } <= indexes
-    functions = {name for name, *_ in fresh["functions"]}
-    assert {"aq_lock_user_v1", "aq_admit_v1", "aq_finish_v1", "aq_job_notify_v1"} <= functions
-    assert len(fresh["triggers"]) >= 2
-    for key in CATALOG:
-        assert fresh[key] == template[key], key
 
 
 # -- invariants in the database ------------------------------------------------------------
@@ -568,9 +462,11 @@ def test_wheel_carries_the_sql(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         for required in (
-            "analysis_queue/_sql/0001_schema.sql",
+            "analysis_queue/_sql/migrations/0011_baseline.sql",
+            "analysis_queue/_sql/migrations/SHA256SUMS",
+            "analysis_queue/_sql/functions/locks.sql",
             "analysis_queue/_sql/queries.sql",
-            "analysis_queue/_triggers/0003_job_notify_v1.sql",
+            "analysis_queue/_triggers/job_notify.sql",
             # The dashboard is package data: a non-editable install serves it too.
             "analysis_queue/http/static/index.html",
             "analysis_queue/http/static/app.js",
@@ -583,8 +479,8 @@ def test_wheel_carries_the_sql(tmp_path: Path) -> None:
     script = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); "
         "import analysis_queue.store.sqlfiles as s; "
-        "print(json.dumps([len(s.migrations()), len(s.queries()), str(s.sql_dir('sql')), "
-        "str(s.sql_dir('triggers')), s.__file__]))"
+        "print(json.dumps([len(s.migrations()), len(s.repeatables()), len(s.queries()), "
+        "str(s.sql_dir('sql')), str(s.sql_dir('triggers')), s.__file__]))"
     )
     result = subprocess.run(
         [sys.executable, "-c", script, str(site)],
@@ -595,8 +491,12 @@ def test_wheel_carries_the_sql(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    n_migrations, n_queries, sql, triggers, module = json.loads(result.stdout)
-    assert (n_migrations, n_queries) == (len(migrations()), len(queries()))
+    n_migrations, n_repeatables, n_queries, sql, triggers, module = json.loads(result.stdout)
+    assert (n_migrations, n_repeatables, n_queries) == (
+        len(migrations()),
+        len(repeatables()),
+        len(queries()),
+    )
     assert Path(sql) == (site / "analysis_queue" / "_sql").resolve()
     assert Path(triggers) == (site / "analysis_queue" / "_triggers").resolve()
     assert Path(module).resolve().is_relative_to(site.resolve())

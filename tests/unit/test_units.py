@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import stat
 import time
 import uuid
@@ -22,7 +21,6 @@ from analysis_queue.http.auth import mint_token, require_admin, user_from_header
 from analysis_queue.http.routes import problem_middleware
 from analysis_queue.models import Job
 from analysis_queue.queue.dispatch import next_attempt_at
-from analysis_queue.store.sqlfiles import migrations, parse_queries, queries, sql_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "unit-test-jwt-secret-0123456789abcdef-0123456789abcdef-0123456789"
@@ -90,61 +88,6 @@ def test_next_attempt_never_after_deadline() -> None:
     now = datetime(2030, 1, 1, tzinfo=UTC)
     past = now - timedelta(seconds=1)
     assert next_attempt_at(now, 3, past, base_s=base_s, max_s=max_s) == past
-
-
-# -- sqlfiles ------------------------------------------------------------------------------
-
-
-def test_parse_queries_names_bodies_and_comments() -> None:
-    text = (
-        "-- A preamble that is not a query.\n"
-        "-- and more of it\n"
-        "\n"
-        "-- first_one --\n"
-        "-- What it does: $1 user.\n"
-        "SELECT 1\n"
-        "  FROM t;\n"
-        "\n"
-        "-- second_2 --\n"
-        "-- a comment\n"
-        "UPDATE t SET x = 1 WHERE y = $1;\n"
-        "-- a trailing comment\n"
-    )
-    assert parse_queries(text) == {
-        "first_one": "SELECT 1\n  FROM t",
-        "second_2": "UPDATE t SET x = 1 WHERE y = $1",
-    }
-
-
-def test_parse_queries_rejects_a_duplicate_name() -> None:
-    text = "-- same --\nSELECT 1;\n\n-- other --\nSELECT 2;\n\n-- same --\nSELECT 3;\n"
-    with pytest.raises(ValueError, match="same"):
-        parse_queries(text)
-
-
-def test_every_query_db_uses_is_defined() -> None:
-    source = (REPO / "service" / "analysis_queue" / "store" / "database.py").read_text()
-    used = set(re.findall(r"self\._(?:fetchrow|fetch|execute)\(\s*\"([a-z0-9_]+)\"", source))
-    # Sanity: the scan finds the calls (including ones wrapped over several lines).
-    assert {"reserve", "admit", "finish", "promote", "jobs_claim", "credit_grant"} <= used
-    defined = queries()
-    assert used - defined.keys() == set()
-    assert all(sql.strip() and not sql.rstrip().endswith(";") for sql in defined.values())
-
-
-def test_migrations_are_numbered_without_gaps() -> None:
-    found = migrations()
-    versions = [m.version for m in found]
-    assert versions == list(range(1, len(found) + 1))
-    files = [
-        p.name
-        for d in (sql_dir("sql"), sql_dir("triggers"))
-        for p in d.glob("*.sql")
-        if re.match(r"^\d{4}_", p.name)
-    ]
-    assert len(files) == len(found) >= 3
-    assert any(m.name == "job_notify_v1" for m in found)  # the triggers directory is included
-    assert all(m.sql.strip() for m in found)
 
 
 # -- auth ----------------------------------------------------------------------------------
@@ -443,26 +386,3 @@ async def test_unknown_route_is_problem_404() -> None:
     assert status == 404
     assert headers["Content-Type"].split(";")[0] == "application/problem+json"
     assert (body["status"], body["code"]) == (404, "not_found")
-
-
-# -- the user-lock key ---------------------------------------------------------------------
-
-
-def test_user_lock_key_is_spelled_once() -> None:
-    hits: list[tuple[str, int]] = []
-    for top in ("service", "sql", "triggers"):
-        for path in sorted((REPO / top).rglob("*")):
-            if not path.is_file() or "__pycache__" in path.parts:
-                continue
-            text = path.read_bytes().decode("utf-8", errors="replace")
-            for match in re.finditer(re.escape("analysis_queue:"), text):
-                hits.append((str(path.relative_to(REPO)), match.start()))
-    assert [name for name, _ in hits] == ["sql/0002_queue_functions.sql"]
-
-    text = (REPO / "sql" / "0002_queue_functions.sql").read_text()
-    function = re.search(
-        r"CREATE FUNCTION aq_lock_user_v1\(.*?\$\$(.*?)\$\$", text, flags=re.DOTALL
-    )
-    assert function is not None
-    assert "'analysis_queue:'" in function.group(1)
-    assert function.start(1) < hits[0][1] < function.end(1)

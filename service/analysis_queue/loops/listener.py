@@ -28,7 +28,8 @@ import orjson
 from analysis_queue import errors
 from analysis_queue.queue.dispatch import Dispatcher
 from analysis_queue.queue.promote import Promoter
-from analysis_queue.store.database import Database, ListenConnection
+from analysis_queue.store.database import Database
+from analysis_queue.store.listen import ListenConnection
 
 log = logging.getLogger(__name__)
 

@@ -1,24 +1,20 @@
-"""The only module that talks to asyncpg.
+"""The pool and every query of the queue: the one place that runs SQL for the service.
 
-It owns the pool, the dedicated LISTEN connection, migrations and every query; it returns frozen
-dataclasses from ``models`` and turns driver errors into domain errors in one place
-(:func:`wrap_errors`).
+It returns frozen dataclasses from ``models`` and turns driver errors into domain errors
+(``driver.wrap_errors``). Migrations are ``migrate.py``, the LISTEN connection ``listen.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 import asyncpg
-import orjson
 
-from analysis_queue import errors
 from analysis_queue.models import (
     Capacity,
     Finish,
@@ -28,89 +24,11 @@ from analysis_queue.models import (
     StaleReservation,
     UserLimit,
 )
-from analysis_queue.store.sqlfiles import migrations, queries
+from analysis_queue.store import migrate
+from analysis_queue.store.driver import init_connection, keep_session, server_settings, wrap_errors
+from analysis_queue.store.sqlfiles import queries
 
 log = logging.getLogger(__name__)
-
-JOBS_CHANNEL = "aq_jobs_v1"
-# A key of its own for the migration run (not the user-lock format, which only
-# aq_lock_user_v1 spells). Session-level, on a dedicated connection.
-_MIGRATION_LOCK_SQL = "SELECT pg_advisory_lock(hashtextextended('analysis_queue_migrations', 0))"
-_MIGRATION_UNLOCK_SQL = (
-    "SELECT pg_advisory_unlock(hashtextextended('analysis_queue_migrations', 0))"
-)
-LOCK_TIMEOUT_MS = 10_000
-
-# Errors that mean "the database is not there right now": a retry or a 503, never a 500.
-_UNAVAILABLE = (
-    OSError,
-    asyncio.TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.AdminShutdownError,
-    asyncpg.InterfaceError,
-    asyncpg.InternalClientError,
-    asyncpg.LockNotAvailableError,
-    asyncpg.TooManyConnectionsError,
-    asyncpg.QueryCanceledError,
-)
-
-
-@contextlib.contextmanager
-def wrap_errors() -> Iterator[None]:
-    """Translate driver errors into the service's error hierarchy."""
-    try:
-        yield
-    except asyncpg.PostgresError as exc:
-        code = getattr(exc, "sqlstate", None)
-        if code == "AQ402":
-            raise errors.InsufficientCredits() from exc
-        if code == "AQ410":
-            raise errors.CoreUnavailable("The admission timed out; try again.") from exc
-        if isinstance(exc, _UNAVAILABLE):
-            raise errors.DatabaseUnavailable() from exc
-        raise
-    except _UNAVAILABLE as exc:
-        if isinstance(exc, asyncpg.InternalClientError):
-            # Seen after a backend is terminated mid-query, but also what a client-side bug
-            # looks like: keep the evidence.
-            log.warning("driver internal error", exc_info=exc)
-        raise errors.DatabaseUnavailable() from exc
-
-
-def _jsonb_encode(value: Any) -> bytes:
-    return b"\x01" + orjson.dumps(value)  # jsonb's binary format: version 1, then the text
-
-
-def _jsonb_decode(data: bytes) -> Any:
-    return orjson.loads(data[1:])
-
-
-async def _init_connection(conn: asyncpg.Connection[Any]) -> None:
-    # Binary codecs: composite results (a function returning an analysis_jobs row) can only
-    # be decoded when every field type has a binary codec.
-    await conn.set_type_codec(
-        "jsonb", encoder=_jsonb_encode, decoder=_jsonb_decode, schema="pg_catalog", format="binary"
-    )
-    await conn.set_type_codec(
-        "json", encoder=orjson.dumps, decoder=orjson.loads, schema="pg_catalog", format="binary"
-    )
-
-
-async def _keep_session(_conn: asyncpg.Connection[Any]) -> None:
-    """Pool release without the default reset query (``UNLISTEN *``, ``pg_advisory_unlock_all``
-    ...): a round trip per release, for session state this service never leaves on pooled
-    connections (the lock is transaction-scoped, LISTEN has its own connection). asyncpg still
-    rolls back a connection released inside a transaction."""
-
-
-def _server_settings(application_name: str) -> dict[str, str]:
-    return {
-        "application_name": application_name[:63],
-        # Bounds every lock wait, the advisory user lock included (55P03 -> 503).
-        "lock_timeout": str(LOCK_TIMEOUT_MS),
-        "idle_in_transaction_session_timeout": "60000",
-    }
 
 
 def _job_or_none(row: Any) -> Job | None:
@@ -142,9 +60,9 @@ class Database:
                 dsn,
                 min_size=min_size,
                 max_size=max_size,
-                init=_init_connection,
-                reset=_keep_session,
-                server_settings=_server_settings(application_name),
+                init=init_connection,
+                reset=keep_session,
+                server_settings=server_settings(application_name),
                 command_timeout=30,
                 max_inactive_connection_lifetime=300,
             )
@@ -423,146 +341,4 @@ class Database:
     async def pending_migrations(self) -> list[int]:
         """Versions this code has that the database lacks, or applied with other text."""
         with wrap_errors():
-            applied = await _applied(self.pool)
-        return [m.version for m in migrations() if applied.get(m.version) != m.checksum]
-
-
-class MigrationChanged(RuntimeError):
-    """An applied migration's text differs from this code's: schemas would silently diverge."""
-
-
-async def _applied(conn: asyncpg.Pool[Any] | asyncpg.Connection[Any]) -> dict[int, str]:
-    exists = await conn.fetchval("SELECT to_regclass('aq_schema_migrations') IS NOT NULL")
-    if not exists:
-        return {}
-    rows = await conn.fetch("SELECT version, checksum FROM aq_schema_migrations")
-    return {r["version"]: r["checksum"] for r in rows}
-
-
-async def apply_migrations(dsn: str) -> list[int]:
-    """Apply the migrations this database lacks; returns the versions applied.
-
-    Safe when several instances start at once: the run holds a session advisory lock, so the
-    second instance waits, then finds everything applied and does nothing.
-    """
-    with wrap_errors():
-        conn = await asyncpg.connect(dsn, server_settings={"application_name": "aq-migrate"})
-    try:
-        with wrap_errors():
-            await conn.execute(_MIGRATION_LOCK_SQL)
-        try:
-            with wrap_errors():
-                await conn.execute(
-                    """CREATE TABLE IF NOT EXISTS aq_schema_migrations (
-                           version integer PRIMARY KEY,
-                           name text NOT NULL,
-                           checksum text NOT NULL,
-                           applied_at timestamptz NOT NULL DEFAULT clock_timestamp())"""
-                )
-                applied = await _applied(conn)
-            changed = [
-                m.version
-                for m in migrations()
-                if m.version in applied and applied[m.version] != m.checksum
-            ]
-            if changed:
-                raise MigrationChanged(
-                    f"applied migrations {changed} differ from this code's; "
-                    "never edit an applied migration, add a new one"
-                )
-            done: list[int] = []
-            for migration in migrations():
-                if migration.version in applied:
-                    continue
-                with wrap_errors():
-                    async with conn.transaction():
-                        await conn.execute(migration.sql)
-                        await conn.execute(
-                            "INSERT INTO aq_schema_migrations (version, name, checksum)"
-                            " VALUES ($1, $2, $3)",
-                            migration.version,
-                            migration.name,
-                            migration.checksum,
-                        )
-                log.info(
-                    "migration applied",
-                    extra={"action": "migrate", "version": migration.version},
-                )
-                done.append(migration.version)
-            return done
-        finally:
-            with contextlib.suppress(Exception):
-                await conn.execute(_MIGRATION_UNLOCK_SQL)
-    finally:
-        await conn.close()
-
-
-NotifyCallback = Callable[[str], None]
-
-
-class ListenConnection:
-    """A dedicated connection LISTENing on the jobs channel.
-
-    Not from the pool: releasing a pooled connection runs ``UNLISTEN *``, and LISTEN must not
-    sit behind a transaction-pooling proxy. It never opens a transaction.
-    """
-
-    def __init__(self, conn: asyncpg.Connection[Any], lost: asyncio.Event) -> None:
-        self._conn = conn
-        self.lost = lost
-
-    @classmethod
-    async def open(
-        cls, dsn: str, on_payload: NotifyCallback, application_name: str
-    ) -> ListenConnection:
-        lost = asyncio.Event()
-
-        def _on_notify(_c: Any, _pid: int, _channel: str, payload: object) -> None:
-            on_payload(str(payload))
-
-        def _on_terminate(_c: Any) -> None:
-            lost.set()
-
-        with wrap_errors():
-            conn = await asyncpg.connect(
-                dsn,
-                timeout=5,
-                server_settings={"application_name": f"{application_name}-listen"[:63]},
-            )
-        try:
-            conn.add_termination_listener(_on_terminate)
-            with wrap_errors():
-                await conn.add_listener(JOBS_CHANNEL, _on_notify)
-        except BaseException:
-            conn.terminate()
-            raise
-        return cls(conn, lost)
-
-    async def ping(self, timeout_s: float) -> None:
-        """Raises DatabaseUnavailable when the connection is dead or half-open."""
-        if self._conn.is_closed():
-            raise errors.DatabaseUnavailable("listener connection closed")
-        with wrap_errors():
-            await self._conn.fetchval("SELECT 1", timeout=timeout_s)
-
-    def backend_pid(self) -> int:
-        return int(self._conn.get_server_pid())
-
-    async def close(self) -> None:
-        if self._conn.is_closed():
-            return
-        try:
-            await asyncio.wait_for(self._conn.close(), timeout=2)
-        except Exception:
-            self._conn.terminate()
-
-
-@contextlib.asynccontextmanager
-async def admin_connection(dsn: str) -> AsyncIterator[asyncpg.Connection[Any]]:
-    """A plain connection for tools and tests (template databases, fault injection)."""
-    with wrap_errors():
-        conn = await asyncpg.connect(dsn)
-    try:
-        yield conn
-    finally:
-        await conn.close()
+            return await migrate.pending(self.pool)

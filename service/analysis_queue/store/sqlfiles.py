@@ -1,4 +1,11 @@
-"""Finds and loads the SQL that lives beside the code: migrations, triggers, named queries.
+"""Finds and loads the SQL that lives beside the code: migrations, repeatables, named queries.
+
+- ``sql/migrations/NNNN_name.sql``: numbered migrations (tables, indexes, data), each applied
+  once and frozen once it lands; ``NNNN_baseline.sql`` stands in, for an empty database, for
+  the history up to its number.
+- ``sql/functions/*.sql`` and ``triggers/*.sql``: *repeatable* files, every function, trigger
+  function and trigger in the present tense, re-applied whenever their text changes.
+- ``sql/queries.sql``: the named queries of ``store/database.py``.
 
 In a checkout (and an editable install) the files are the repository's ``sql/`` and
 ``triggers/``; a built wheel carries them inside the package as ``analysis_queue/_sql`` and
@@ -17,6 +24,8 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # analysis_queue/
 _REPOSITORY_DIR = _PACKAGE_DIR.parents[1]  # a checkout keeps the package in service/
 _QUERY_HEADER = re.compile(r"^-- ([a-z][a-z0-9_]*) --$", re.MULTILINE)
 _MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_REPEATABLE_NAME = re.compile(r"^[a-z][a-z0-9_]*\.sql$")
+BASELINE_NAME = "baseline"
 
 
 def sql_dir(name: str) -> Path:
@@ -27,8 +36,14 @@ def sql_dir(name: str) -> Path:
     raise FileNotFoundError(f"SQL directory {name!r} not found beside {_PACKAGE_DIR}")
 
 
+def _checksum(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Migration:
+    """A numbered migration: applied once, in version order, and never edited after."""
+
     version: int
     name: str
     sql: str
@@ -36,7 +51,28 @@ class Migration:
     @property
     def checksum(self) -> str:
         """Recorded when applied: an applied migration must never change (add a new one)."""
-        return hashlib.sha256(self.sql.encode()).hexdigest()
+        return _checksum(self.sql)
+
+    @property
+    def is_baseline(self) -> bool:
+        """The history up to this version in one file, for an empty database only."""
+        return self.name == BASELINE_NAME
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.version:04d}_{self.name}.sql"
+
+
+@dataclass(frozen=True)
+class Repeatable:
+    """A file of functions and triggers, re-applied whenever its text changes."""
+
+    name: str  # "functions/locks.sql", "triggers/job_notify.sql"
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return _checksum(self.sql)
 
 
 def parse_queries(text: str) -> dict[str, str]:
@@ -58,15 +94,35 @@ def queries() -> dict[str, str]:
 
 @cache
 def migrations() -> tuple[Migration, ...]:
-    """Numbered migrations from ``sql/`` and ``triggers/``, one sequence across both."""
+    """The numbered migrations of ``sql/migrations``, in version order; at most one baseline,
+    which comes first."""
     found: dict[int, Migration] = {}
-    for directory in (sql_dir("sql"), sql_dir("triggers")):
+    for path in sorted((sql_dir("sql") / "migrations").glob("*.sql")):
+        match = _MIGRATION_NAME.match(path.name)
+        if match is None:
+            raise ValueError(f"not a migration file name (NNNN_name.sql): {path.name}")
+        version = int(match.group(1))
+        if version in found:
+            raise ValueError(f"two migrations numbered {version}: {path.name}")
+        found[version] = Migration(version, match.group(2), path.read_text())
+    ordered = tuple(found[v] for v in sorted(found))
+    baselines = [m for m in ordered if m.is_baseline]
+    if len(baselines) > 1 or (baselines and baselines[0] is not ordered[0]):
+        raise ValueError("a baseline must be the first migration, and there is at most one")
+    return ordered
+
+
+@cache
+def repeatables() -> tuple[Repeatable, ...]:
+    """The functions (``sql/functions``), then the triggers that call them (``triggers``), each
+    directory in file-name order."""
+    found: list[Repeatable] = []
+    for directory, label in (
+        (sql_dir("sql") / "functions", "functions"),
+        (sql_dir("triggers"), "triggers"),
+    ):
         for path in sorted(directory.glob("*.sql")):
-            match = _MIGRATION_NAME.match(path.name)
-            if match is None:
-                continue
-            version = int(match.group(1))
-            if version in found:
-                raise ValueError(f"two migrations numbered {version}: {path.name}")
-            found[version] = Migration(version, match.group(2), path.read_text())
-    return tuple(found[v] for v in sorted(found))
+            if _REPEATABLE_NAME.match(path.name) is None:
+                raise ValueError(f"not a repeatable file name (name.sql): {label}/{path.name}")
+            found.append(Repeatable(f"{label}/{path.name}", path.read_text()))
+    return tuple(found)

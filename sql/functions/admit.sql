@@ -1,0 +1,181 @@
+-- admit: reserve a run id, then admit the job once Core holds its run (queue/admit.py).
+--
+-- Every check a click can fail is decided here or by Core, synchronously: the Idempotency-Key,
+-- the balance, and the debit. The admit itself is one INSERT whose status is the write-up's
+-- CASE, decided under the user's lock (docs/locking.md): a second click of the same user
+-- waits for the first to commit and then sees its job.
+
+-- Reserve a run id before Core is asked for a held run; check the balance; resolve an
+-- Idempotency-Key. Outcomes: reserved | existing | in_progress | key_reused | insufficient_credits.
+CREATE OR REPLACE FUNCTION aq_reserve_v1(
+    p_user_id text, p_run_id uuid, p_job_id uuid, p_cost integer,
+    p_thesis jsonb, p_sources jsonb, p_idempotency_key text, p_request_hash text,
+    OUT outcome text, OUT job_id uuid, OUT balance bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_hash text;
+BEGIN
+    job_id := p_job_id;
+    IF p_idempotency_key IS NOT NULL THEN
+        -- Under the lock the key check and the reservation are atomic with the admit that
+        -- turns a reservation into a job.
+        PERFORM aq_lock_user_v1(p_user_id);
+        SELECT j.id, j.request_hash INTO job_id, v_hash
+          FROM analysis_jobs j
+         WHERE j.user_id = p_user_id AND j.idempotency_key = p_idempotency_key;
+        IF FOUND THEN
+            outcome := CASE WHEN v_hash = p_request_hash THEN 'existing' ELSE 'key_reused' END;
+            RETURN;
+        END IF;
+        SELECT r.request_hash INTO v_hash
+          FROM core_run_reservations r
+         WHERE r.user_id = p_user_id AND r.idempotency_key = p_idempotency_key;
+        IF FOUND THEN
+            outcome := CASE WHEN v_hash = p_request_hash THEN 'in_progress' ELSE 'key_reused' END;
+            job_id := NULL;
+            RETURN;
+        END IF;
+    END IF;
+
+    SELECT a.balance INTO balance FROM credit_accounts a WHERE a.user_id = p_user_id;
+    balance := coalesce(balance, 0);
+    IF balance < p_cost THEN
+        outcome := 'insufficient_credits';
+        job_id := NULL;
+        RETURN;
+    END IF;
+
+    INSERT INTO core_run_reservations
+        (run_id, job_id, user_id, thesis, sources, idempotency_key, request_hash)
+    VALUES
+        (p_run_id, p_job_id, p_user_id, p_thesis, p_sources, p_idempotency_key, p_request_hash);
+    outcome := 'reserved';
+END
+$$;
+
+-- Admit: under the user's lock, debit and insert the job whose status is the write-up's CASE,
+-- with the user's limit and the provider ceiling:
+--   ceiling off: a delta is pending; a first-pass job is pending when nothing of the user's
+--     waits and a user slot is free, else queued for your_previous_analysis.
+--   ceiling on:  the job is queued; its wait is derived like every other; if the global lock
+--     is free (tried, never waited for) and the job's user is the fairest, a job of theirs
+--     starts at once (this one, or an older one of theirs that waited for capacity).
+-- Raises AQ402 (insufficient credits) or AQ410 (the reservation was reclaimed by the sweep);
+-- either rolls the whole admit back. Returns the job, its queue position when queued, and the
+-- jobs this admit moved from queued to pending (its followers release them).
+CREATE OR REPLACE FUNCTION aq_admit_v2(
+    p_job_id uuid, p_user_id text, p_run_id uuid, p_core_run_id text,
+    p_thesis jsonb, p_sources jsonb, p_cost integer, p_delta_of uuid,
+    p_idempotency_key text, p_request_hash text,
+    OUT job analysis_jobs, OUT queue_position bigint, OUT promoted analysis_jobs[])
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_ceiling integer;
+    v_now timestamptz;
+    v_status text := 'queued';
+    v_slot integer;
+    v_wait text;
+    v_turn timestamptz;
+    v_room integer;
+    v_started analysis_jobs;
+BEGIN
+    promoted := '{}';
+    v_ceiling := aq_ceiling_v2();
+    IF v_ceiling IS NULL THEN
+        -- Ceiling off: held shared until commit, so turning it on waits for this decision.
+        PERFORM aq_lock_global_shared_v1();
+        v_ceiling := aq_ceiling_v2();
+    END IF;
+    PERFORM aq_lock_user_v1(p_user_id);
+
+    DELETE FROM core_run_reservations WHERE run_id = p_run_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'run reservation % no longer exists', p_run_id USING ERRCODE = 'AQ410';
+    END IF;
+
+    IF p_cost > 0 THEN
+        UPDATE credit_accounts
+           SET balance = balance - p_cost, updated_at = clock_timestamp()
+         WHERE user_id = p_user_id AND balance >= p_cost;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'insufficient credits' USING ERRCODE = 'AQ402';
+        END IF;
+    END IF;
+
+    v_now := clock_timestamp();
+    IF p_delta_of IS NOT NULL THEN
+        IF v_ceiling IS NULL THEN
+            v_status := 'pending';
+        ELSE
+            v_wait := 'provider_capacity';
+            v_turn := '-infinity';
+        END IF;
+    ELSIF v_ceiling IS NULL THEN
+        IF NOT EXISTS (SELECT 1 FROM analysis_jobs b
+                        WHERE b.user_id = p_user_id AND b.status = 'queued'
+                          AND b.delta_of_job_id IS NULL) THEN
+            v_slot := aq_free_user_slot_v1(p_user_id);
+        END IF;
+        IF v_slot IS NOT NULL THEN
+            v_status := 'pending';
+        ELSE
+            v_wait := 'your_previous_analysis';
+        END IF;
+    ELSE
+        -- Ready (waiting only for the provider) when the user's slots outnumber what is
+        -- active and queued ahead of it.
+        SELECT aq_user_limit_v1(p_user_id) - count(*) INTO v_room FROM analysis_jobs b
+         WHERE b.user_id = p_user_id AND b.status IN ('queued', 'pending', 'running')
+           AND b.delta_of_job_id IS NULL;
+        IF v_room > 0 THEN
+            v_wait := 'provider_capacity';
+            v_turn := greatest(
+                (SELECT t.last_turn_at FROM user_turns t WHERE t.user_id = p_user_id), v_now);
+        ELSE
+            v_wait := 'your_previous_analysis';
+        END IF;
+    END IF;
+
+    INSERT INTO analysis_jobs
+        (id, user_id, run_id, core_run_id, status, delta_of_job_id, thesis, sources, cost,
+         idempotency_key, request_hash, created_at, updated_at, promoted_at, user_slot,
+         waiting_for, turn_key)
+    VALUES
+        (p_job_id, p_user_id, p_run_id, p_core_run_id, v_status, p_delta_of, p_thesis,
+         p_sources, p_cost, p_idempotency_key, p_request_hash, v_now, v_now,
+         CASE WHEN v_status = 'pending' THEN v_now END, v_slot, v_wait, v_turn)
+    RETURNING * INTO job;
+
+    IF p_cost > 0 THEN
+        INSERT INTO credit_ledger (user_id, job_id, kind, amount)
+        VALUES (p_user_id, p_job_id, 'debit', p_cost);
+    END IF;
+
+    -- Nested, not AND: PL/pgSQL evaluates both sides of NULL AND f(), and a try that succeeds
+    -- holds the global lock to commit. The ceiling read above may have changed since (it was
+    -- read without the lock when on): holding the global lock, read it again. Turned off
+    -- meanwhile: fill as "off" does.
+    IF v_wait = 'provider_capacity' THEN
+        IF aq_try_lock_global_v1() THEN
+            v_ceiling := aq_ceiling_v2();
+            IF v_ceiling IS NULL THEN
+                SELECT coalesce(array_agg(f), '{}') INTO promoted
+                  FROM aq_fill_user_locked_v1(p_user_id) f;
+            ELSE
+                v_started := aq_start_own_if_fairest_v1(p_user_id, v_ceiling);
+                IF v_started.id IS NOT NULL THEN
+                    promoted := ARRAY[v_started];
+                END IF;
+            END IF;
+            SELECT j.* INTO job FROM analysis_jobs j WHERE j.id = p_job_id;
+        END IF;
+    END IF;
+    -- Counted here, in a statement of its own under the lock, so the answer to the click
+    -- carries its true position without another round trip.
+    IF job.status = 'queued' AND job.delta_of_job_id IS NULL THEN
+        SELECT count(*) INTO queue_position FROM analysis_jobs q
+         WHERE q.user_id = p_user_id AND q.status = 'queued' AND q.queue_seq <= job.queue_seq
+           AND q.delta_of_job_id IS NULL;
+    END IF;
+END
+$$;

@@ -1,0 +1,117 @@
+-- finish: end a job (Core's completion, a failed release, a lost run, a cancel) and fill the
+-- slot it frees, in one transaction under the user's lock (docs/locking.md).
+--
+-- Idempotent by construction: the move is a compare-and-set from the statuses in p_from, so a
+-- duplicate, late or out-of-order report changes nothing twice. The refund rule is credits.sql.
+
+-- Move a job to a terminal status (and/or soft-delete it) under its user's lock, refund what
+-- never reached judging, and fill the slot it frees:
+--   ceiling off: promote the user's next jobs in this transaction (tail promotion);
+--   ceiling on:  re-derive the user's waits, and start the fairest ready job if it is this
+--                user's, in the global slot the job frees (or, for a job that held none, if
+--                the global lock is free); otherwise a promotion pass gives the slot to whoever's
+--                turn it is.
+--   p_job_id or p_core_run_id picks the job; p_user_id, when given, scopes it to that user.
+--   p_status NULL means "only soft-delete"; the move happens only from a status in p_from.
+--   p_ran: Core judged the run, so it started even if running was never written (a fast
+--   callback can beat the releasing instance's update).
+-- Returns the job after the call, its status before, whether the call changed it, whether it
+-- refunded, and the jobs it moved from queued to pending.
+CREATE OR REPLACE FUNCTION aq_finish_v2(
+    p_job_id uuid, p_core_run_id text, p_user_id text,
+    p_status text, p_from text[], p_delete boolean,
+    p_error_code text, p_error_detail text, p_verdicts jsonb, p_ran boolean,
+    OUT job analysis_jobs, OUT old_status text, OUT changed boolean, OUT refunded boolean,
+    OUT promoted analysis_jobs[])
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_user text;
+    v_id uuid;
+    v_ceiling integer;
+    v_started analysis_jobs;
+BEGIN
+    changed := false;
+    refunded := false;
+    promoted := '{}';
+    IF p_job_id IS NOT NULL THEN
+        SELECT j.user_id, j.id INTO v_user, v_id FROM analysis_jobs j
+         WHERE j.id = p_job_id AND (p_user_id IS NULL OR j.user_id = p_user_id);
+    ELSE
+        SELECT j.user_id, j.id INTO v_user, v_id FROM analysis_jobs j
+         WHERE j.core_run_id = p_core_run_id AND (p_user_id IS NULL OR j.user_id = p_user_id);
+    END IF;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+
+    v_ceiling := aq_ceiling_v2();
+    IF v_ceiling IS NULL THEN
+        -- Ceiling off: held shared until commit, so turning it on waits for this decision.
+        PERFORM aq_lock_global_shared_v1();
+        v_ceiling := aq_ceiling_v2();
+    END IF;
+    PERFORM aq_lock_user_v1(v_user);
+    -- The row lock pins old_status against writers that do not take the user lock (claims).
+    SELECT j.* INTO job FROM analysis_jobs j WHERE j.id = v_id FOR UPDATE;
+    old_status := job.status;
+
+    IF p_status IS NOT NULL AND job.status = ANY (p_from) THEN
+        UPDATE analysis_jobs j
+           SET status = p_status,
+               finished_at = clock_timestamp(),
+               started_at = CASE WHEN p_ran THEN coalesce(j.started_at, clock_timestamp())
+                                 ELSE j.started_at END,
+               updated_at = clock_timestamp(),
+               deleted_at = CASE WHEN p_delete THEN clock_timestamp() ELSE j.deleted_at END,
+               error_code = p_error_code,
+               error_detail = p_error_detail,
+               verdicts = coalesce(p_verdicts, j.verdicts),
+               waiting_for = NULL, turn_key = NULL,
+               claimed_by = NULL, claim_expires_at = NULL, next_release_at = NULL
+         WHERE j.id = v_id
+        RETURNING j.* INTO job;
+        changed := true;
+        refunded := aq_refund_if_due_v1(job, old_status);
+    ELSIF p_delete AND job.deleted_at IS NULL
+          AND job.status IN ('succeeded', 'failed', 'cancelled') THEN
+        UPDATE analysis_jobs j
+           SET deleted_at = clock_timestamp(), updated_at = clock_timestamp()
+         WHERE j.id = v_id
+        RETURNING j.* INTO job;
+        changed := true;
+    END IF;
+
+    IF NOT changed THEN
+        RETURN;
+    END IF;
+    IF v_ceiling IS NULL THEN
+        IF job.delta_of_job_id IS NULL THEN
+            SELECT coalesce(array_agg(f), '{}') INTO promoted FROM aq_fill_user_locked_v1(v_user) f;
+        END IF;
+    ELSIF old_status IN ('queued', 'pending', 'running') THEN
+        PERFORM aq_refresh_waits_locked_v1(v_user, v_ceiling);
+        -- Starting the user's next job here needs the ceiling as it is now (read above without
+        -- a lock): hold the global lock (shared to reuse the slot this frees, which nobody
+        -- else can see free before the commit; exclusive to allocate one), then read it again.
+        -- A try never waits; when it fails, a pass decides.
+        IF old_status <> 'queued' AND job.global_slot IS NOT NULL THEN
+            IF aq_try_lock_global_shared_v1() THEN
+                v_ceiling := aq_ceiling_v2();
+                IF v_ceiling IS NOT NULL THEN
+                    v_started := aq_start_own_if_fairest_v1(v_user, v_ceiling, job.global_slot);
+                END IF;
+            END IF;
+        ELSIF old_status <> 'queued' THEN
+            IF aq_try_lock_global_v1() THEN
+                v_ceiling := aq_ceiling_v2();
+                IF v_ceiling IS NOT NULL THEN
+                    v_started := aq_start_own_if_fairest_v1(v_user, v_ceiling);
+                END IF;
+            END IF;
+        END IF;
+        IF v_started.id IS NOT NULL THEN
+            promoted := ARRAY[v_started];
+        END IF;
+    END IF;
+END
+$$;

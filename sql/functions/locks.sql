@@ -1,0 +1,52 @@
+-- locks: the queue's advisory locks, the one place their keys are spelled.
+--
+-- Which operation takes which lock, in what mode and order, is docs/locking.md; read it before
+-- changing any function that calls these. In short: the global lock before user locks, user
+-- locks in sorted order, a user's lock before that user's rows and event counter.
+--
+-- All are transaction-scoped (released at commit or rollback: no leaked lock after an error)
+-- and bounded by the session's lock_timeout (55P03). Each takes its lock in a statement of its
+-- own, so under READ COMMITTED the caller's next statement sees everything committed by the
+-- lock's previous holder.
+
+-- A user's lock: serializes every decision that fills or frees that user's slots. Old and new
+-- versions overlapping in a rolling deploy must agree on the key, so it is spelled only here.
+CREATE OR REPLACE FUNCTION aq_lock_user_v1(p_user_id text) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('analysis_queue:' || p_user_id, 0));
+END
+$$;
+
+-- The global lock guards the provider ceiling's slots. Its key text cannot equal a user key
+-- (those are the queue's prefix and a colon, then the user id). Four modes, each used for one
+-- reason (docs/locking.md): exclusive to hand out global slots or change the ceiling, shared
+-- for decisions made with the ceiling off or ones that reuse a slot they free, a try of either
+-- where waiting would invert the lock order.
+CREATE OR REPLACE FUNCTION aq_lock_global_v1() RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('analysis_queue_ceiling', 0));
+END
+$$;
+
+CREATE OR REPLACE FUNCTION aq_lock_global_shared_v1() RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtextextended('analysis_queue_ceiling', 0));
+END
+$$;
+
+CREATE OR REPLACE FUNCTION aq_try_lock_global_v1() RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN pg_try_advisory_xact_lock(hashtextextended('analysis_queue_ceiling', 0));
+END
+$$;
+
+CREATE OR REPLACE FUNCTION aq_try_lock_global_shared_v1() RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN pg_try_advisory_xact_lock_shared(hashtextextended('analysis_queue_ceiling', 0));
+END
+$$;

@@ -1,0 +1,106 @@
+-- slots: what a user may run, what the provider may run, and why a queued job waits.
+--
+-- An active (pending/running) first-pass job holds a numbered user slot, 1..its user's limit;
+-- with the provider ceiling on, every active job also holds a numbered global slot, 1..the
+-- ceiling. The unique indexes analysis_jobs_user_slot and analysis_jobs_global_slot make a
+-- second holder of a number impossible whatever the code does. A slot belongs to a job, never
+-- to an instance: it frees in the transaction that moves the job to a terminal status.
+--
+-- Fair turns. A queued job waits for 'your_previous_analysis' (its user is at their limit) or
+-- for 'provider_capacity' (its user has room; the ceiling is full). The latter are *ready* and
+-- carry a turn_key: when the user last started a job or when the job was admitted, whichever
+-- is later. A free global slot goes to the smallest (turn_key, queue_seq): the user who has
+-- waited longest since their last start. Starting a job moves the user's other ready jobs to
+-- turn_key = now, behind everyone waiting: round robin. Deltas wait with turn_key -infinity,
+-- ahead of every first-pass job, oldest first.
+
+-- The ceiling as committed (NULL: off). Takes no lock: a decision that must not be overtaken by
+-- a change of the ceiling holds the global lock in some mode first and reads it after
+-- (docs/locking.md). PL/pgSQL, so its one statement is planned once per session.
+CREATE OR REPLACE FUNCTION aq_ceiling_v2() RETURNS integer
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN (SELECT s.global_max_running FROM queue_settings s);
+END
+$$;
+
+-- A user's concurrency: their plan limit, or the default of 1.
+CREATE OR REPLACE FUNCTION aq_user_limit_v1(p_user_id text) RETURNS integer
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce((SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1)
+$$;
+
+-- Lock held. The user's limit and the user slots their active first-pass jobs hold.
+-- PL/pgSQL: a LANGUAGE sql function with OUT parameters is never inlined, so it would be parsed
+-- and planned on every call (it was the largest single cost of the drain, docs/benchmarks.md).
+CREATE OR REPLACE FUNCTION aq_user_slots_v1(p_user_id text, OUT max_running integer,
+                                            OUT used integer[])
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    max_running := coalesce(
+        (SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1);
+    SELECT coalesce(array_agg(a.user_slot), '{}') INTO used
+      FROM analysis_jobs a
+     WHERE a.user_id = p_user_id AND a.status IN ('pending', 'running')
+       AND a.delta_of_job_id IS NULL;
+END
+$$;
+
+-- Lock held. The lowest user slot free for p_user_id within its limit, or NULL at the limit.
+CREATE OR REPLACE FUNCTION aq_free_user_slot_v1(p_user_id text) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_used integer[];
+    v_limit integer;
+BEGIN
+    SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(p_user_id) s;
+    -- Active jobs count against the limit whatever their numbers (a lowered limit).
+    IF cardinality(v_used) >= v_limit THEN
+        RETURN NULL;
+    END IF;
+    FOR s IN 1..v_limit LOOP  -- simple expressions: no query per step
+        IF NOT s = ANY (v_used) THEN
+            RETURN s;
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+
+-- User lock held. Keep the waits of the user's queued first-pass jobs true: with the ceiling
+-- on, the first (limit - active) wait for provider_capacity with their turn key, the rest for
+-- your_previous_analysis; with it off, all wait for your_previous_analysis (a free slot is
+-- filled at once). Writes only rows whose wait changes, so it is cheap when nothing does.
+CREATE OR REPLACE FUNCTION aq_refresh_waits_locked_v1(p_user_id text, p_ceiling integer)
+RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_free integer := 0;
+    v_last timestamptz;
+    v_head uuid[];
+BEGIN
+    IF p_ceiling IS NOT NULL THEN
+        SELECT aq_user_limit_v1(p_user_id) - count(*) INTO v_free FROM analysis_jobs a
+         WHERE a.user_id = p_user_id AND a.status IN ('pending', 'running')
+           AND a.delta_of_job_id IS NULL;
+        SELECT t.last_turn_at INTO v_last FROM user_turns t WHERE t.user_id = p_user_id;
+    END IF;
+    SELECT coalesce(array_agg(h.id), '{}') INTO v_head FROM (
+        SELECT q.id FROM analysis_jobs q
+         WHERE q.user_id = p_user_id AND q.status = 'queued' AND q.delta_of_job_id IS NULL
+         ORDER BY q.queue_seq
+         LIMIT greatest(v_free, 0)) h;
+    UPDATE analysis_jobs j
+       SET waiting_for = 'provider_capacity',
+           turn_key = greatest(v_last, j.created_at),
+           updated_at = clock_timestamp()
+     WHERE j.id = ANY (v_head) AND j.status = 'queued'
+       AND (j.waiting_for, j.turn_key) IS DISTINCT FROM
+           ('provider_capacity', greatest(v_last, j.created_at));
+    UPDATE analysis_jobs j
+       SET waiting_for = 'your_previous_analysis', turn_key = NULL,
+           updated_at = clock_timestamp()
+     WHERE j.user_id = p_user_id AND j.status = 'queued' AND j.waiting_for = 'provider_capacity'
+       AND j.delta_of_job_id IS NULL AND j.id <> ALL (v_head);
+END
+$$;
