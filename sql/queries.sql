@@ -4,10 +4,11 @@
 -- these queries call them or do what needs no lock.
 
 -- admit --
--- Admit a reserved run as a job: $1 job id, $2 user, $3 run id, $4 Core run id, $5 thesis,
--- $6 sources, $7 cost, $8 delta_of job id, $9 idempotency key, $10 request hash.
-SELECT (r.job).*, r.queue_position
-  FROM aq_admit_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) r;
+-- Admit a reserved run as a job (aq_admit_v2): $1 job id, $2 user, $3 run id, $4 Core run id,
+-- $5 thesis, $6 sources, $7 cost, $8 delta_of job id, $9 idempotency key, $10 request hash.
+-- -> the job's columns, its queue position, and the jobs the admit promoted.
+SELECT (r.job).*, r.queue_position, r.promoted
+  FROM aq_admit_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) r;
 
 -- reserve --
 -- Reserve a run id and check credit: $1 user, $2 run id, $3 job id, $4 cost, $5 thesis,
@@ -19,11 +20,19 @@ SELECT * FROM aq_reserve_v1($1, $2, $3, $4, $5, $6, $7, $8);
 -- -> the ceiling in force on every row, and the promoted jobs (one all-NULL job when none).
 SELECT p.ceiling, (p.job).*, NULL::bigint AS queue_position FROM aq_promote_v2($1, $2) p;
 
+-- promote_woken --
+-- A notification woke these users (aq_promote_woken_v1): $1 users, $2 at most. -> the ceiling
+-- in force on every row, and jobs it promoted (promoted true) or found pending and unreleased
+-- (false); one all-NULL job when none.
+SELECT w.ceiling, w.promoted, (w.job).*, NULL::bigint AS queue_position
+  FROM aq_promote_woken_v1($1, $2) w;
+
 -- finish --
--- Terminal move and/or soft delete under the user lock, refund, tail promotion:
+-- Terminal move and/or soft delete under the user lock, refund, tail promotion (aq_finish_v2):
 -- $1 job id, $2 Core run id, $3 user scope, $4 status, $5 from statuses, $6 delete,
 -- $7 error code, $8 error detail, $9 verdicts, $10 Core judged it.
-SELECT * FROM aq_finish_v1($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
+-- -> job, old_status, changed, refunded, promoted (an array of jobs)
+SELECT * FROM aq_finish_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
 
 -- ceiling_set --
 -- Set the global ceiling (NULL: off), waiting for decisions in flight: $1 ceiling.

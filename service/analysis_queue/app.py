@@ -25,8 +25,11 @@ from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.loops.hub import EventHub, HubSettings
 from analysis_queue.loops.listener import Listener, ListenerSettings
 from analysis_queue.loops.sweep import Sweeper, SweepSettings
+from analysis_queue.metrics import Metrics
 from analysis_queue.queue.admit import Admitter
 from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
+from analysis_queue.queue.finish import Finisher
+from analysis_queue.queue.followup import FollowUp, Trigger
 from analysis_queue.queue.promote import Promoter
 from analysis_queue.store.database import Database
 from analysis_queue.store.embedded import start_embedded
@@ -120,6 +123,9 @@ def build_app(
 def _make_services(
     settings: Settings, db: Database, core: CoreClient, simulator: CoreSimulator | None
 ) -> Services:
+    metrics = Metrics()
+    followup = FollowUp(metrics)
+    finisher = Finisher(db, core, followup, metrics)
     dispatcher = Dispatcher(
         db,
         core,
@@ -131,22 +137,31 @@ def _make_services(
             backoff_max_s=settings.release_backoff_max_s,
             concurrency=settings.dispatch_concurrency,
         ),
+        finisher,
+        metrics,
     )
-    promoter = Promoter(db, dispatcher)
+    promoter = Promoter(db, followup)
+    followup.bind(releases=dispatcher, passes=promoter)
     sweeper = Sweeper(
         db,
         core,
         dispatcher,
         promoter,
+        finisher,
         SweepSettings(
             interval_s=settings.sweep_interval_s,
             running_quiet_s=settings.running_quiet_s,
             reservation_stale_s=settings.reservation_stale_s,
         ),
+        metrics,
     )
-    hub = EventHub(db, HubSettings(), dispatcher.metrics)
+    hub = EventHub(db, HubSettings(), metrics)
     listener = None
     if settings.listen_enabled:
+
+        def wake(user_id: str) -> None:  # a job of this user changed, through any instance
+            hub.notify(user_id)
+            promoter.wake(user_id)
 
         def connected() -> None:  # notifications were lost while the connection was down
             sweeper.kick()
@@ -154,23 +169,25 @@ def _make_services(
 
         listener = Listener(
             db,
-            dispatcher,
-            promoter,
             ListenerSettings(ping_interval_s=settings.listener_ping_s),
+            metrics,
+            on_wake=wake,
             on_connected=connected,
-            on_job_change=hub.notify,
         )
     return Services(
         settings=settings,
+        metrics=metrics,
         db=db,
         core=core,
         admitter=Admitter(
             db,
             core,
+            followup,
+            metrics,
             analysis_cost=settings.analysis_cost,
             recheck_cost=settings.recheck_cost,
-            metrics=dispatcher.metrics,
         ),
+        finisher=finisher,
         dispatcher=dispatcher,
         promoter=promoter,
         sweeper=sweeper,
@@ -193,8 +210,8 @@ async def _apply_ceiling(services: Services) -> None:
     services.promoter.ceiling = ceiling
     log.info("provider ceiling", extra={"action": "ceiling", "global_max_running": ceiling})
     for user_id in await services.db.users_to_promote(10_000):
-        await services.promoter.promote((user_id,), "ceiling")
-    await services.promoter.run_pass("ceiling")
+        await services.promoter.promote((user_id,), Trigger.CEILING)
+    await services.promoter.run_pass(Trigger.CEILING)
 
 
 def _start_loops(services: Services, on_fatal: Callable[[str], None] | None) -> None:

@@ -1,20 +1,80 @@
-"""The queue's values: the frozen ``Job`` the database layer returns, and its JSON shape."""
+"""The queue's values: the frozen ``Job`` the database layer returns and its JSON shape, the
+closed sets the database's CHECK constraints allow, and the NOTIFY payload."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 from uuid import UUID
 
-ACTIVE_STATUSES = frozenset({"pending", "running"})
-TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
-OPEN_STATUSES = frozenset({"queued", "pending", "running"})
+from pydantic import BaseModel, ConfigDict
+
+
+class JobStatus(StrEnum):
+    """``analysis_jobs.status``: queued -> pending -> running -> a terminal status."""
+
+    QUEUED = "queued"  # admitted; waits for its turn (see WaitReason)
+    PENDING = "pending"  # holds its slots; its held run in Core is being released
+    RUNNING = "running"  # Core is judging it
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ACTIVE_STATUSES = frozenset({JobStatus.PENDING, JobStatus.RUNNING})
+TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+OPEN_STATUSES = frozenset({JobStatus.QUEUED, *ACTIVE_STATUSES})
+
+
+class WaitReason(StrEnum):
+    """Why a queued job waits (``analysis_jobs.waiting_for``)."""
+
+    YOUR_PREVIOUS_ANALYSIS = "your_previous_analysis"  # its user is at their limit
+    PROVIDER_CAPACITY = "provider_capacity"  # its user has room; the provider ceiling is full
+
+
+class EventKind(StrEnum):
+    """``job_events.kind``: what a committed job change was (triggers/job_events.sql)."""
+
+    ADMITTED = "admitted"
+    PROMOTED = "promoted"
+    STARTED = "started"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    DELETED = "deleted"
+    WAITING = "waiting"
+    CHANGED = "changed"
+
+
+class JobNotice(BaseModel):
+    """The payload of a NOTIFY on ``aq_jobs_v1`` (triggers/job_notify.sql): a wake-up hint that
+    a job of ``user_id`` changed, never the source of truth. Keys it does not know are ignored:
+    the payload only ever gains keys, so listeners of every version read it."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: UUID
+    user_id: str
+    old: JobStatus | None  # None on insert
+    new: JobStatus
+    deleted: bool = False
+    delta: bool = False
+    at: float | None = None  # epoch seconds when the change was written
+
+
+# A pending job shows the error of its last release attempt (release_retrying).
+_ERROR_SHOWN = TERMINAL_STATUSES | {JobStatus.PENDING}
 
 
 def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
+
+
+def _wait(value: str | None) -> WaitReason | None:
+    return WaitReason(value) if value is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +83,7 @@ class Job:
     user_id: str
     run_id: UUID
     core_run_id: str | None
-    status: str
+    status: JobStatus
     queue_seq: int
     delta_of_job_id: UUID | None
     deleted_at: datetime | None
@@ -40,7 +100,7 @@ class Job:
     error_detail: str | None
     verdicts: list[dict[str, Any]] | None
     queue_position: int | None = None
-    waiting_for: str | None = None  # queued only: your_previous_analysis | provider_capacity
+    waiting_for: WaitReason | None = None  # queued only
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:
@@ -49,7 +109,7 @@ class Job:
             user_id=row["user_id"],
             run_id=row["run_id"],
             core_run_id=row["core_run_id"],
-            status=row["status"],
+            status=JobStatus(row["status"]),
             queue_seq=row["queue_seq"],
             delta_of_job_id=row["delta_of_job_id"],
             deleted_at=row["deleted_at"],
@@ -66,7 +126,7 @@ class Job:
             error_detail=row["error_detail"],
             verdicts=row["verdicts"],
             queue_position=row.get("queue_position"),
-            waiting_for=row.get("waiting_for"),
+            waiting_for=_wait(row.get("waiting_for")),
         )
 
     @property
@@ -76,14 +136,14 @@ class Job:
     def to_json(self) -> dict[str, Any]:
         """The job as the REST API and the event stream show it."""
         error = None
-        if self.error_code is not None and self.status in TERMINAL_STATUSES | {"pending"}:
+        if self.error_code is not None and self.status in _ERROR_SHOWN:
             error = {"code": self.error_code, "detail": self.error_detail}
         return {
             "id": str(self.id),
             "run_id": str(self.run_id),
             "status": self.status,
-            "queue_position": self.queue_position if self.status == "queued" else None,
-            "waiting_for": self.waiting_for if self.status == "queued" else None,
+            "queue_position": self.queue_position if self.status == JobStatus.QUEUED else None,
+            "waiting_for": self.waiting_for if self.status == JobStatus.QUEUED else None,
             "delta_of": str(self.delta_of_job_id) if self.delta_of_job_id else None,
             "thesis": self.thesis,
             "sources": self.sources,
@@ -102,16 +162,26 @@ class JobEvent:
     now; ``job`` is None if the job's row is gone."""
 
     event_id: int
-    kind: str  # admitted | promoted | started | finished | cancelled | deleted | waiting | changed
+    kind: EventKind
     created_at: datetime
     job: Job | None
+
+
+class ReservationOutcome(StrEnum):
+    """What ``aq_reserve_v1`` found (sql/functions/admit.sql)."""
+
+    RESERVED = "reserved"  # a run id is reserved: ask Core for a held run
+    EXISTING = "existing"  # the Idempotency-Key names a job admitted with this very body
+    IN_PROGRESS = "in_progress"  # ... a request with this body that is still being admitted
+    KEY_REUSED = "key_reused"  # ... a different body
+    INSUFFICIENT_CREDITS = "insufficient_credits"
 
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
     """The answer of ``reserve``: what to do with an admit before Core is called."""
 
-    outcome: str  # reserved | existing | in_progress | key_reused | insufficient_credits
+    outcome: ReservationOutcome
     job_id: UUID | None
     balance: int | None
 
@@ -121,9 +191,28 @@ class Finish:
     """The answer of ``finish``: the job after the call, and what the call changed."""
 
     job: Job
-    old_status: str
+    old_status: JobStatus
     changed: bool
-    promoted: Job | None
+    refunded: bool  # this call gave the job's cost back (sql/functions/credits.sql)
+    promoted: tuple[Job, ...]  # the jobs it moved from queued to pending, in the slot it freed
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The answer of ``admit``: the job, and the jobs the admit moved from queued to pending
+    (with the ceiling on, this one or an older one of its user's that waited for capacity)."""
+
+    job: Job
+    promoted: tuple[Job, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Woken:
+    """The answer of a wake-up (``aq_promote_woken_v1``)."""
+
+    ceiling: int | None
+    promoted: tuple[Job, ...]  # moved from queued to pending by the wake-up
+    unreleased: tuple[Job, ...]  # pending, and nobody is releasing them
 
 
 @dataclass(frozen=True, slots=True)

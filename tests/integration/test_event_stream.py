@@ -178,7 +178,7 @@ async def admitted(h: Harness, user: str, n: int, **kwargs: Any) -> dict[str, An
 
 
 def subscribers(instance: Instance) -> float | None:
-    registry = instance.services.dispatcher.metrics.registry
+    registry = instance.services.metrics.registry
     return registry.get_sample_value("aq_event_subscribers")
 
 

@@ -516,5 +516,5 @@ async def test_a_completion_in_flight_when_the_ceiling_is_lowered_obeys_the_new_
     finally:
         await holder.close()
     assert result is not None and result.changed
-    assert result.promoted is None, "started a job over the lowered ceiling"
+    assert result.promoted == (), "started a job over the lowered ceiling"
     assert await _active(h) == 2

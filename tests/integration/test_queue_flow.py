@@ -101,10 +101,7 @@ async def test_two_instances_share_the_queue_in_fifo_order(harness: Harness) -> 
 
     def written(what: str, metric: str) -> float:
         return sum(
-            i.services.dispatcher.metrics.registry.get_sample_value(
-                f"{metric}_total", {"what": what}
-            )
-            or 0
+            i.services.metrics.registry.get_sample_value(f"{metric}_total", {"what": what}) or 0
             for i in (a, b)
         )
 

@@ -236,7 +236,7 @@ async def _admit_reserved(
     cost: int,
     delta_of: uuid.UUID | None = None,
 ) -> Job:
-    return await db.admit(
+    admission = await db.admit(
         job_id=job_id,
         user_id=user,
         run_id=run_id,
@@ -248,6 +248,7 @@ async def _admit_reserved(
         idempotency_key=None,
         request_hash=None,
     )
+    return admission.job
 
 
 async def _admit(db: Database, user: str, delta_of: uuid.UUID | None = None) -> Job:

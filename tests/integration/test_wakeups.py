@@ -42,15 +42,15 @@ async def test_promotion_after_completion_comes_from_notify(harness: Harness) ->
     _, b = await h.admit("u", 2)
     await wait_for(lambda: _is(h, a["id"], "running"), what="first job running")
     assert b["status"] == "queued"
-    listener = inst.services.listener
-    assert listener is not None
+    assert inst.services.listener is not None
+    promoter = inst.services.promoter
     sweeps_before = inst.services.sweeper.passes
-    promotions_before = listener.promotions
+    promotions_before = promoter.promotions
 
     await _complete_behind_the_service(h, a["id"])
     await wait_for(lambda: _is(h, b["id"], "running"), timeout_s=5, what="promotion by NOTIFY")
 
-    assert listener.promotions == promotions_before + 1
+    assert promoter.promotions == promotions_before + 1
     assert inst.services.sweeper.passes == sweeps_before, "the sweep did not run"
     await assert_fifo_serial(h.database_url)
 

@@ -1,56 +1,95 @@
 """When the promoter asks the database to fill slots, and how it folds requests meanwhile.
 
 The database is a stand-in that records each call and answers with the ceiling it is told to
-report; what a promotion decides is tested against PostgreSQL in tests/integration.
+report; what a promotion decides is tested against PostgreSQL in tests/integration. The
+follow-up is the real one, bound to a recording dispatcher.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Sequence
-from typing import Any, cast
+from datetime import UTC, datetime
 from uuid import UUID
 
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import Job
-from analysis_queue.queue.dispatch import Dispatcher
+from analysis_queue.models import Job, JobStatus, Woken
+from analysis_queue.queue.followup import FollowUp, Trigger
 from analysis_queue.queue.promote import PASS_BATCH, Promoter
-from analysis_queue.store.database import Database
+
+
+def _job(user: str = "someone", status: JobStatus = JobStatus.PENDING) -> Job:
+    return Job(
+        id=uuid.uuid4(),
+        user_id=user,
+        run_id=uuid.uuid4(),
+        core_run_id="core-1",
+        status=status,
+        queue_seq=1,
+        delta_of_job_id=None,
+        deleted_at=None,
+        thesis={},
+        sources=[],
+        cost=1,
+        created_at=datetime.now(UTC),
+        promoted_at=datetime.now(UTC),
+        started_at=None,
+        finished_at=None,
+        release_attempts=0,
+        next_release_at=None,
+        error_code=None,
+        error_detail=None,
+        verdicts=None,
+    )
 
 
 class RecordingDatabase:
+    """Answers promotion calls; ``batches`` are how many jobs successive calls promote."""
+
     def __init__(self, ceiling: int | None) -> None:
         self.ceiling = ceiling
-        self.calls: list[list[str]] = []
+        self.calls: list[tuple[str, list[str]]] = []
         self.gate = asyncio.Event()
         self.gate.set()
-        self.batches: list[int] = []  # jobs to "promote" on successive calls
+        self.batches: list[int] = []
+        self.unreleased: list[Job] = []
+
+    def _promoted(self, limit: int) -> list[Job]:
+        n = self.batches.pop(0) if self.batches else 0
+        return [_job() for _ in range(min(n, limit))]
 
     async def promote(self, user_ids: Sequence[str], limit: int) -> tuple[int | None, list[Job]]:
-        self.calls.append(list(user_ids))
+        self.calls.append(("promote", list(user_ids)))
         await self.gate.wait()
-        n = self.batches.pop(0) if self.batches else 0
-        return self.ceiling, [cast(Job, _FakeJob()) for _ in range(min(n, limit))]
+        return self.ceiling, self._promoted(limit)
 
+    async def promote_woken(self, user_ids: Sequence[str], limit: int) -> Woken:
+        self.calls.append(("woken", list(user_ids)))
+        await self.gate.wait()
+        unreleased, self.unreleased = tuple(self.unreleased), []
+        return Woken(self.ceiling, tuple(self._promoted(limit)), unreleased)
 
-class _FakeJob:
-    id = UUID(int=1)
-    user_id = "someone"
+    async def set_user_limit(self, user_id: str, max_running: int | None) -> list[Job]:
+        self.calls.append(("limit", [user_id]))
+        return self._promoted(100)
 
 
 class RecordingDispatcher:
     def __init__(self) -> None:
-        self.metrics = Metrics()
         self.submitted: list[UUID] = []
 
-    def submit(self, job_id: UUID, *, hint: bool = False) -> None:
+    def submit(self, job_id: UUID) -> None:
         self.submitted.append(job_id)
 
 
-def _promoter(db: RecordingDatabase) -> tuple[Promoter, RecordingDispatcher]:
+def _promoter(db: RecordingDatabase) -> tuple[Promoter, RecordingDispatcher, Metrics]:
+    metrics = Metrics()
+    followup = FollowUp(metrics)
+    promoter = Promoter(db, followup)
     dispatcher = RecordingDispatcher()
-    promoter = Promoter(cast(Database, db), cast(Dispatcher, cast(Any, dispatcher)))
-    return promoter, dispatcher
+    followup.bind(releases=dispatcher, passes=promoter)
+    return promoter, dispatcher, metrics
 
 
 async def _settle(promoter: Promoter) -> None:
@@ -59,54 +98,92 @@ async def _settle(promoter: Promoter) -> None:
     await promoter.stop()
 
 
-async def test_ceiling_off_promotes_each_freed_user_and_folds_repeats() -> None:
+def _promotions(metrics: Metrics, trigger: Trigger) -> float:
+    value = metrics.registry.get_sample_value("aq_promotions_total", {"trigger": trigger})
+    return value or 0.0
+
+
+async def test_wake_ups_of_one_turn_go_out_as_one_call_and_later_ones_as_the_next() -> None:
     db = RecordingDatabase(ceiling=None)
-    promoter, _ = _promoter(db)
+    promoter, _, _ = _promoter(db)
     db.gate.clear()
-    promoter.slot_freed("a")
-    promoter.slot_freed("b")
-    await asyncio.sleep(0)
-    promoter.slot_freed("a")  # while a's call is in flight: one more call for a, not two
-    promoter.slot_freed("a")
+    promoter.wake("b")
+    promoter.wake("a")
+    promoter.wake("b")
+    await asyncio.sleep(0)  # the first call is in flight
+    promoter.wake("c")
+    promoter.wake("a")
+    promoter.wake("c")
     db.gate.set()
     await _settle(promoter)
-    assert sorted(map(tuple, db.calls)) == [("a",), ("a",), ("b",)]
+    assert db.calls == [("woken", ["a", "b"]), ("woken", ["a", "c"])]
+    assert promoter.wake_calls == 2
 
 
-async def test_ceiling_on_runs_one_pass_at_a_time_and_one_more_for_what_came_meanwhile() -> None:
+async def test_what_a_wake_up_finds_is_counted_once_and_released() -> None:
+    db = RecordingDatabase(ceiling=None)
+    db.batches = [2]
+    stranded = _job()
+    db.unreleased = [stranded]
+    promoter, dispatcher, metrics = _promoter(db)
+    promoter.wake("a")
+    await _settle(promoter)
+    assert len(dispatcher.submitted) == 3 and stranded.id in dispatcher.submitted
+    assert _promotions(metrics, Trigger.NOTIFY) == 2, "a job found pending is not a promotion"
+    assert promoter.promotions == 2
+
+
+async def test_a_wake_up_that_fills_a_whole_batch_asks_for_a_pass() -> None:
+    db = RecordingDatabase(ceiling=40)
+    db.batches = [PASS_BATCH, 3]
+    promoter, dispatcher, metrics = _promoter(db)
+    promoter.wake("a")
+    await _settle(promoter)
+    assert db.calls == [("woken", ["a"]), ("promote", [])]
+    assert promoter.ceiling_on, "learned from the wake-up's answer"
+    assert len(dispatcher.submitted) == PASS_BATCH + 3
+    assert _promotions(metrics, Trigger.NOTIFY) == PASS_BATCH + 3
+
+
+async def test_one_pass_at_a_time_and_one_more_for_what_came_meanwhile() -> None:
     db = RecordingDatabase(ceiling=4)
-    promoter, _ = _promoter(db)
+    promoter, _, metrics = _promoter(db)
     promoter.ceiling = 4
     db.gate.clear()
-    promoter.slot_freed("c")
+    db.batches = [1, 1]
+    promoter.pass_soon(Trigger.ADMIT, "c")
     await asyncio.sleep(0)
-    for user in ("b", "a", "b"):  # three frees during the pass: one more pass, users re-derived
-        promoter.slot_freed(user)
-    promoter.pass_soon()
+    for user in ("b", "a", "b"):  # three requests during the pass: one more, users re-derived
+        promoter.pass_soon(Trigger.CANCEL, user)
+    promoter.pass_soon(Trigger.CANCEL)
     db.gate.set()
     await _settle(promoter)
-    assert db.calls == [["c"], ["a", "b"]]
+    assert db.calls == [("promote", ["c"]), ("promote", ["a", "b"])]
+    assert _promotions(metrics, Trigger.ADMIT) == 2
 
 
 async def test_a_pass_repeats_while_it_fills_whole_batches() -> None:
     db = RecordingDatabase(ceiling=100)
     db.batches = [PASS_BATCH, PASS_BATCH, 3]
-    promoter, dispatcher = _promoter(db)
+    promoter, dispatcher, metrics = _promoter(db)
     promoter.ceiling = 100
-    promoter.pass_soon()
+    promoter.pass_soon(Trigger.SWEEP)
     await _settle(promoter)
-    assert db.calls == [[], [], []]
+    assert db.calls == [("promote", []), ("promote", []), ("promote", [])]
     assert len(dispatcher.submitted) == 2 * PASS_BATCH + 3
+    assert _promotions(metrics, Trigger.SWEEP) == 2 * PASS_BATCH + 3
 
 
-async def test_a_user_promotion_that_learns_the_ceiling_is_on_turns_into_a_pass() -> None:
-    db = RecordingDatabase(ceiling=2)  # the promoter still believes it is off
-    promoter, _ = _promoter(db)
-    db.gate.clear()
-    promoter.slot_freed("a")
-    await asyncio.sleep(0)
-    promoter.slot_freed("a")  # folded into a re-run, which now sees the ceiling
-    db.gate.set()
-    await _settle(promoter)
-    assert promoter.ceiling_on
-    assert db.calls == [["a"], ["a"]]  # the user's call, then a pass re-deriving the user
+async def test_a_limit_change_counts_its_promotions_and_asks_for_a_pass_with_the_ceiling_on() -> (
+    None
+):
+    for ceiling, calls in ((None, [("limit", ["u"])]), (3, [("limit", ["u"]), ("promote", [])])):
+        db = RecordingDatabase(ceiling=ceiling)
+        db.batches = [2]
+        promoter, dispatcher, metrics = _promoter(db)
+        promoter.ceiling = ceiling
+        await promoter.set_user_limit("u", 3)
+        await _settle(promoter)
+        assert db.calls == calls
+        assert len(dispatcher.submitted) == 2
+        assert _promotions(metrics, Trigger.LIMIT) == 2

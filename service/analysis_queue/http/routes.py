@@ -27,8 +27,7 @@ from analysis_queue.http.bodies import (
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.logs import request_id_var
 from analysis_queue.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from analysis_queue.models import ACTIVE_STATUSES, Finish, Job, StaleReservation
-from analysis_queue.queue.finish import apply_core_run
+from analysis_queue.models import OPEN_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -176,16 +175,6 @@ def _idempotency_key(request: web.Request) -> str | None:
 # -- analyses -----------------------------------------------------------------------------------
 
 
-def _set_off(services: Services, job: Job) -> None:
-    """Start what a just-admitted job needs, without waiting for its NOTIFY to come back."""
-    if job.status == "pending":
-        services.dispatcher.submit(job.id)
-    elif job.waiting_for == "provider_capacity":
-        # Its user has room: a free global slot may be its. The pass names the user, so that a
-        # ceiling turned off meanwhile fills the user's slots instead.
-        services.promoter.pass_soon("admit", job.user_id)
-
-
 @routes.post("/v1/analyses")
 async def create_analysis(request: web.Request) -> web.Response:
     user_id = _user(request)
@@ -197,8 +186,6 @@ async def create_analysis(request: web.Request) -> web.Response:
         list(body.sources),
         idempotency_key=_idempotency_key(request),
     )
-    if admitted.created:
-        _set_off(services, admitted.job)
     headers = {"Location": f"/v1/analyses/{admitted.job.id}"}
     if not admitted.created:
         headers["Idempotent-Replayed"] = "true"
@@ -228,54 +215,9 @@ async def delete_analysis(request: web.Request) -> web.Response:
     provider's when the ceiling is on) frees only after Core stopped the run, so a job promoted
     into the slot never judges beside it. If Core cannot be told, the answer is 503 and the job
     goes on."""
-    user_id = _user(request)
-    services = _services(request)
-    job_id = _job_id(request)
-
-    async def cancel(from_statuses: tuple[str, ...]) -> Finish | None:
-        return await services.db.finish(
-            job_id=job_id,
-            user_id=user_id,
-            status="cancelled",
-            from_statuses=from_statuses,
-            delete=True,
-            error_code="cancelled_by_user",
-            error_detail="Cancelled by the user.",
-        )
-
-    result = await cancel(("queued",))
-    if result is None or (not result.changed and result.job.deleted_at is not None):
-        raise errors.NotFound()
-    if not result.changed and result.job.status in ACTIVE_STATUSES and result.job.core_run_id:
-        await services.core.cancel(result.job.core_run_id)  # CoreUnavailable: 503, job goes on
-        result = await cancel(tuple(ACTIVE_STATUSES))
-        assert result is not None  # jobs are never hard-deleted
-    elif result.changed and result.job.core_run_id:
-        job = result.job  # a held run: Core judges nothing, so its cancel may come after
-        try:
-            await services.core.cancel(result.job.core_run_id)
-        except errors.AppError:
-            # Leave it to the sweep, which cancels held runs it finds in the reservations.
-            await services.db.put_back_reservation(
-                StaleReservation(
-                    job.run_id, job.id, job.user_id, job.core_run_id, job.thesis, job.sources
-                )
-            )
-    job = result.job
-    if result.promoted is not None:
-        services.dispatcher.submit(result.promoted.id)
-    if result.changed and services.promoter.ceiling_on:
-        services.promoter.pass_soon("cancel")  # a global slot or a user's room freed
-    log.info(
-        "deleted",
-        extra={
-            "action": "delete",
-            "job_id": str(job.id),
-            "user_id": user_id,
-            "was": result.old_status,
-        },
-    )
-    return json_response(job.to_json())
+    user_id = _user(request)  # 401 before anything else is looked at
+    result = await _services(request).finisher.cancel(_job_id(request), user_id)
+    return json_response(result.job.to_json())
 
 
 @routes.post("/v1/analyses/{job_id}/rechecks")
@@ -285,7 +227,6 @@ async def create_recheck(request: web.Request) -> web.Response:
     body = await _body(request, RecheckRequest)
     services = _services(request)
     admitted = await services.admitter.recheck(user_id, parent_id, list(body.sources))
-    _set_off(services, admitted.job)
     return json_response(
         admitted.job.to_json(),
         status=201,
@@ -344,10 +285,7 @@ async def set_user_limit(request: web.Request) -> web.Response:
     require_admin(request.headers.get("Authorization"), services.settings.admin_token)
     user_id = _limit_user(request)
     body = await _body(request, UserLimitRequest)
-    for job in await services.db.set_user_limit(user_id, body.max_running):
-        services.dispatcher.submit(job.id)
-    if services.promoter.ceiling_on:
-        services.promoter.pass_soon("limit")  # jobs that now wait for capacity may start
+    await services.promoter.set_user_limit(user_id, body.max_running)
     log.info(
         "user limit set",
         extra={"action": "user_limit", "user_id": user_id, "max_running": body.max_running},
@@ -374,7 +312,7 @@ async def core_event(request: web.Request) -> web.Response:
         run = CoreRun.from_json(orjson.loads(raw))
     except (orjson.JSONDecodeError, RecursionError, ValueError, TypeError) as exc:
         raise errors.MalformedRequest("The event is not a run.") from exc
-    outcome = await apply_core_run(services.db, services.dispatcher, run)
+    outcome = await services.finisher.apply_core_run(run)
     return json_response({"outcome": outcome})
 
 
@@ -384,9 +322,9 @@ async def core_event(request: web.Request) -> web.Response:
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     services = _services(request)
-    m = services.dispatcher.metrics
+    m = services.metrics
     counts = await services.db.open_job_counts()
-    for status in ("queued", "pending", "running"):
+    for status in OPEN_STATUSES:
         m.jobs.labels(status).set(counts.get(status, 0))
     capacity = await services.db.capacity()
     m.ceiling.set(capacity.ceiling or 0)

@@ -13,8 +13,10 @@ from analysis_queue.http.auth import TokenCache
 from analysis_queue.loops.hub import EventHub
 from analysis_queue.loops.listener import Listener
 from analysis_queue.loops.sweep import Sweeper
+from analysis_queue.metrics import Metrics
 from analysis_queue.queue.admit import Admitter
 from analysis_queue.queue.dispatch import Dispatcher
+from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.promote import Promoter
 from analysis_queue.store.database import Database
 
@@ -22,9 +24,11 @@ from analysis_queue.store.database import Database
 @dataclass
 class Services:
     settings: Settings
+    metrics: Metrics
     db: Database
     core: CoreClient
     admitter: Admitter
+    finisher: Finisher
     dispatcher: Dispatcher
     promoter: Promoter
     sweeper: Sweeper

@@ -24,9 +24,11 @@ from uuid import UUID
 
 from analysis_queue import errors
 from analysis_queue.core.client import CoreClient
-from analysis_queue.models import StaleReservation
+from analysis_queue.metrics import Metrics
+from analysis_queue.models import JobStatus, StaleReservation
 from analysis_queue.queue.dispatch import Dispatcher
-from analysis_queue.queue.finish import apply_core_run
+from analysis_queue.queue.finish import Applied, Finisher
+from analysis_queue.queue.followup import Trigger
 from analysis_queue.queue.promote import Promoter
 from analysis_queue.store.database import Database
 
@@ -66,13 +68,17 @@ class Sweeper:
         core: CoreClient,
         dispatcher: Dispatcher,
         promoter: Promoter,
+        finisher: Finisher,
         settings: SweepSettings,
+        metrics: Metrics,
     ) -> None:
         self.db = db
         self.core = core
         self.dispatcher = dispatcher
         self.promoter = promoter
+        self.finisher = finisher
         self.settings = settings
+        self.metrics = metrics
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._kicked = asyncio.Event()
@@ -99,7 +105,7 @@ class Sweeper:
             except Exception:
                 log.exception("sweep step failed", extra={"action": "sweep", "step": step.__name__})
         report.duration_s = time.perf_counter() - started
-        self.dispatcher.metrics.sweep_seconds.observe(report.duration_s)
+        self.metrics.sweep_seconds.observe(report.duration_s)
         self.passes += 1
         self.last_report = report
         if report.promoted or report.completed or report.reservations_cancelled:
@@ -109,8 +115,8 @@ class Sweeper:
 
     async def _promote(self, report: SweepReport) -> None:
         for user_id in await self.db.users_to_promote(self.settings.batch):
-            report.promoted += len(await self.promoter.promote((user_id,), "sweep"))
-        report.promoted += await self.promoter.run_pass("sweep")
+            report.promoted += len(await self.promoter.promote((user_id,), Trigger.SWEEP))
+        report.promoted += await self.promoter.run_pass(Trigger.SWEEP)
 
     async def _dispatch(self, report: SweepReport) -> None:
         for job_id in await self.db.pending_due(self.settings.batch):
@@ -134,7 +140,7 @@ class Sweeper:
                 await self._lost(job_id, report)
             elif (
                 run.finished
-                and await apply_core_run(self.db, self.dispatcher, run, source="poll") == "applied"
+                and await self.finisher.apply_core_run(run, source="poll") is Applied.APPLIED
             ):
                 report.completed += 1
             return job_id
@@ -146,18 +152,12 @@ class Sweeper:
 
     async def _lost(self, job_id: UUID, report: SweepReport) -> None:
         """Core has no such run any more: the analysis is lost; fail and refund."""
-        result = await self.db.finish(
-            job_id=job_id,
-            status="failed",
-            from_statuses=("running",),
-            error_code="core_run_lost",
-            error_detail="Core no longer knows this run.",
+        await self.finisher.fail(
+            job_id,
+            from_statuses=(JobStatus.RUNNING,),
+            code="core_run_lost",
+            detail="Core no longer knows this run.",
         )
-        if result is not None and result.promoted is not None:
-            self.dispatcher.metrics.promotions.labels("tail").inc()
-            self.dispatcher.submit(result.promoted.id)
-        if result is not None and result.changed:
-            self.dispatcher.metrics.refunds.labels("core_run_lost").inc()
         report.completed += 1
 
     async def _reservations(self, report: SweepReport) -> None:

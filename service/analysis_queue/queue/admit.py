@@ -24,7 +24,8 @@ import orjson
 from analysis_queue import errors
 from analysis_queue.core.client import CoreClient
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import Job
+from analysis_queue.models import Job, JobStatus, ReservationOutcome, WaitReason
+from analysis_queue.queue.followup import Decision, FollowUp, Trigger
 from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
@@ -46,16 +47,18 @@ class Admitter:
         self,
         db: Database,
         core: CoreClient,
+        followup: FollowUp,
+        metrics: Metrics,
         *,
         analysis_cost: int,
         recheck_cost: int,
-        metrics: Metrics | None = None,
     ) -> None:
         self.db = db
         self.core = core
+        self.followup = followup
+        self.metrics = metrics
         self.analysis_cost = analysis_cost
         self.recheck_cost = recheck_cost
-        self.metrics = metrics or Metrics()
 
     async def admit(
         self,
@@ -83,7 +86,7 @@ class Admitter:
         parent = await self.db.job_for_recheck(parent_id, user_id)
         if parent is None:
             raise errors.NotFound()
-        if parent["status"] != "succeeded":
+        if parent["status"] != JobStatus.SUCCEEDED:
             raise errors.Conflict("Only a succeeded analysis can be re-checked.")
         root = parent["delta_of_job_id"] or parent["id"]
         return await self._counted(
@@ -132,16 +135,16 @@ class Admitter:
             idempotency_key=idempotency_key,
             request_hash=body_hash,
         )
-        if reservation.outcome == "existing" and reservation.job_id is not None:
+        if reservation.outcome is ReservationOutcome.EXISTING and reservation.job_id is not None:
             earlier = await self.db.get_job(reservation.job_id, user_id)
             if earlier is None:  # admitted, then deleted by the user: still the same request
                 raise errors.Conflict("The analysis admitted with this key was deleted.")
             return Admitted(earlier, created=False)
-        if reservation.outcome == "key_reused":
+        if reservation.outcome is ReservationOutcome.KEY_REUSED:
             raise errors.IdempotencyKeyReused()
-        if reservation.outcome == "in_progress":
+        if reservation.outcome is ReservationOutcome.IN_PROGRESS:
             raise errors.IdempotencyInProgress()
-        if reservation.outcome == "insufficient_credits":
+        if reservation.outcome is ReservationOutcome.INSUFFICIENT_CREDITS:
             raise errors.InsufficientCredits(
                 f"Starting an analysis costs {cost} credit(s); the balance is "
                 f"{reservation.balance}."
@@ -159,7 +162,7 @@ class Admitter:
             raise
 
         try:
-            job = await self.db.admit(
+            admission = await self.db.admit(
                 job_id=job_id,
                 user_id=user_id,
                 run_id=run_id,
@@ -178,6 +181,24 @@ class Admitter:
             raise
         # Any other failure (database gone, commit outcome unknown) leaves the reservation:
         # if the admit did commit, the reservation is gone with it; if not, the sweep cancels.
+        job = admission.job
+        started = job.status is JobStatus.PENDING and all(
+            p.id != job.id for p in admission.promoted
+        )
+        # A job that waits only for the provider may be given a free global slot by a pass
+        # (which names the user: a ceiling turned off meanwhile fills the user's slots instead).
+        waits_for_capacity = (
+            job.status is JobStatus.QUEUED and job.waiting_for is WaitReason.PROVIDER_CAPACITY
+        )
+        self.followup.after(
+            Decision(
+                Trigger.ADMIT,
+                user_id=user_id,
+                promoted=admission.promoted,
+                unreleased=(job,) if started else (),
+                asks_pass=Trigger.ADMIT if waits_for_capacity else None,
+            )
+        )
         log.info(
             "admitted",
             extra={

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from uuid import UUID
 
 import tenacity
@@ -23,13 +23,22 @@ import tenacity
 from analysis_queue import errors
 from analysis_queue.core.client import CoreClient
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import Job, StaleReservation
+from analysis_queue.models import Job, JobStatus, StaleReservation
+from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.group_commit import GroupCommit
 from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
 
-RECENT_MAX = 10_000  # job ids remembered as dispatched here, to ignore their NOTIFY echoes
+
+class Released(StrEnum):
+    """What one release attempt did (the label of ``aq_release_attempts_total``)."""
+
+    RELEASED = "released"  # Core is judging the run (or has judged it)
+    RETRY = "retry"  # Core could not be reached: tried again later, within the window
+    FAILED = "failed"  # Core no longer holds the run: the job failed and was refunded
+    GAVE_UP = "gave_up"  # the release window passed: the job failed and was refunded
+    NOT_CLAIMED = "not_claimed"  # another instance has it, it moved on, or it is not due
 
 
 @dataclass(frozen=True)
@@ -71,14 +80,15 @@ class Dispatcher:
         db: Database,
         core: CoreClient,
         settings: DispatchSettings,
-        metrics: Metrics | None = None,
+        finisher: Finisher,
+        metrics: Metrics,
     ) -> None:
         self.db = db
         self.core = core
         self.settings = settings
-        self.metrics = metrics or Metrics()
+        self.finisher = finisher
+        self.metrics = metrics
         self._inflight: set[UUID] = set()
-        self._recent: OrderedDict[UUID, None] = OrderedDict()  # dispatched here lately
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: dict[UUID, asyncio.TimerHandle] = {}
         self._sem = asyncio.Semaphore(settings.concurrency)
@@ -105,13 +115,10 @@ class Dispatcher:
 
         return count
 
-    def submit(self, job_id: UUID, *, hint: bool = False) -> None:
-        """Release ``job_id`` soon. ``hint``: it comes from a notification, so skip a job this
-        instance has already dispatched (every instance hears every NOTIFY; the claim would
-        refuse it anyway, a round trip later)."""
+    def submit(self, job_id: UUID) -> None:
+        """Release ``job_id`` soon. A job already in flight here is not submitted twice; one
+        another instance is releasing is refused by the claim."""
         if self._stopping or job_id in self._inflight:
-            return
-        if hint and job_id in self._recent:
             return
         self._inflight.add(job_id)
         task = asyncio.create_task(self._run(job_id), name=f"dispatch-{job_id}")
@@ -122,7 +129,7 @@ class Dispatcher:
         try:
             async with self._sem:
                 outcome = await self.dispatch_once(job_id)
-            if outcome != "not_claimed":
+            if outcome is not Released.NOT_CLAIMED:
                 self.metrics.releases.labels(outcome).inc()
         except errors.DatabaseUnavailable:
             log.warning("dispatch: database unavailable", extra={"job_id": str(job_id)})
@@ -130,15 +137,12 @@ class Dispatcher:
             log.exception("dispatch failed", extra={"action": "dispatch", "job_id": str(job_id)})
         finally:
             self._inflight.discard(job_id)
-            self._recent[job_id] = None
-            if len(self._recent) > RECENT_MAX:
-                self._recent.popitem(last=False)
 
-    async def dispatch_once(self, job_id: UUID) -> str:
+    async def dispatch_once(self, job_id: UUID) -> Released:
         """One release attempt. Returns what happened (for tests and logs)."""
         job = await self._claims.submit(job_id)
         if job is None:
-            return "not_claimed"  # another instance has it, it moved on, or it is not due
+            return Released.NOT_CLAIMED
         assert job.core_run_id is not None and job.promoted_at is not None
         deadline = job.promoted_at + timedelta(seconds=self.settings.release_window_s)
         try:
@@ -169,7 +173,7 @@ class Dispatcher:
                         )
                     )
                 self.gave_up += 1
-                return "gave_up"
+                return Released.GAVE_UP
             at = await self._retry_later(job, exc.detail)
             log.info(
                 "release retry scheduled",
@@ -181,7 +185,7 @@ class Dispatcher:
                     "next_attempt_at": at.isoformat(),
                 },
             )
-            return "retry"
+            return Released.RETRY
         running = await self._running.submit(job.id)
         self.released += 1
         log.info(
@@ -193,34 +197,32 @@ class Dispatcher:
                 "running": running is not None,
             },
         )
-        return "released"
+        return Released.RELEASED
 
-    async def _not_held(self, job: Job, detail: str) -> str:
+    async def _not_held(self, job: Job, detail: str) -> Released:
         """Core refused the release: the run is not held. That is a lost run only if Core no
         longer has it or cancelled it. An earlier release may have gone through with its
         ``running`` never written (the database went away, the instance died): then Core is
         judging or has finished the run, and the job follows Core instead of failing."""
-        from analysis_queue.queue.finish import apply_core_run  # completion imports this module
-
         assert job.core_run_id is not None
         try:
             run = await self.core.get_run(job.core_run_id)
         except errors.CoreUnavailable:
             await self._retry_later(job, "Core's state of the run is unknown")
-            return "retry"
+            return Released.RETRY
         if run is None or run.state == "cancelled":
             await self._fail(job, "core_run_gone", detail)
-            return "failed"
+            return Released.FAILED
         if run.state == "judging":
             await self._running.submit(job.id)
             self.released += 1
-            return "released"
+            return Released.RELEASED
         if run.finished:
-            await apply_core_run(self.db, self, run, source="poll")
+            await self.finisher.apply_core_run(run, source="poll")
             self.released += 1
-            return "released"
+            return Released.RELEASED
         await self._retry_later(job, f"Core reports the run {run.state}")
-        return "retry"
+        return Released.RETRY
 
     async def _retry_later(self, job: Job, detail: str) -> datetime:
         """Put the job back on its retry schedule, never past the window; returns when."""
@@ -239,15 +241,9 @@ class Dispatcher:
         return at
 
     async def _fail(self, job: Job, code: str, detail: str) -> None:
-        result = await self.db.finish(
-            job_id=job.id,
-            status="failed",
-            from_statuses=("pending",),
-            error_code=code,
-            error_detail=detail,
+        await self.finisher.fail(
+            job.id, from_statuses=(JobStatus.PENDING,), code=code, detail=detail
         )
-        if result is not None and result.changed:
-            self.metrics.refunds.labels(code).inc()
         log.warning(
             "release failed",
             extra={
@@ -257,9 +253,6 @@ class Dispatcher:
                 "code": code,
             },
         )
-        if result is not None and result.promoted is not None:
-            self.metrics.promotions.labels("tail").inc()
-            self.submit(result.promoted.id)
 
     def _schedule(self, job_id: UUID, delay_s: float) -> None:
         if self._stopping:

@@ -1,71 +1,211 @@
-"""Completion: apply what Core says about a run (callback or the sweep's poll) to its job.
+"""Finishing a job: Core's completion (a callback or the sweep's poll), a failed release, a run
+Core lost, a user's cancel. Each is one call of ``aq_finish_v2`` (sql/functions/finish.sql),
+which in the same transaction refunds what never reached judging (the rule is
+``aq_refund_if_due_v1`` in sql/functions/credits.sql) and fills the slot the job frees.
 
-Idempotent by construction: the move to a terminal status is a compare-and-set from
-``pending``/``running`` under the user lock, so a duplicate, late or out-of-order report changes
-nothing twice. ``pending`` is accepted because Core's callback can arrive before the releasing
-instance has written ``running``. The user's next job is promoted in the same transaction (with
-the provider ceiling on, when it is the fairest; otherwise a promotion pass, woken by the
-completion's NOTIFY, gives the freed slot to whoever's turn it is).
+Idempotent by construction: the move to a terminal status is a compare-and-set from the statuses
+the caller names, under the user lock, so a duplicate, late or out-of-order report changes
+nothing twice. A completion accepts ``pending`` because Core's callback can arrive before the
+releasing instance has written ``running``. What the finish promoted, and its refund, go to the
+follow-up (queue/followup.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Any, Protocol
+from uuid import UUID
 
+from analysis_queue import errors
 from analysis_queue.core.client import CoreRun
-from analysis_queue.queue.dispatch import Dispatcher
-from analysis_queue.store.database import Database
+from analysis_queue.metrics import Metrics
+from analysis_queue.models import (
+    ACTIVE_STATUSES,
+    Finish,
+    JobStatus,
+    StaleReservation,
+)
+from analysis_queue.queue.followup import Decision, FollowUp, Trigger
 
 log = logging.getLogger(__name__)
 
-_STATUS_OF_STATE = {"completed": "succeeded", "failed": "failed", "cancelled": "cancelled"}
+_STATUS_OF_STATE = {
+    "completed": JobStatus.SUCCEEDED,
+    "failed": JobStatus.FAILED,
+    "cancelled": JobStatus.CANCELLED,
+}
+_ERROR_OF_STATUS = {JobStatus.FAILED: "analysis_failed", JobStatus.CANCELLED: "cancelled_in_core"}
 
 
-async def apply_core_run(
-    db: Database, dispatcher: Dispatcher, run: CoreRun, *, source: str = "callback"
-) -> str:
-    """Returns ``applied``, ``duplicate``, ``not_finished`` or ``unknown_run``."""
-    outcome = await _apply(db, dispatcher, run)
-    dispatcher.metrics.callbacks.labels(
-        outcome if source == "callback" else f"poll_{outcome}"
-    ).inc()
-    return outcome
+class Applied(StrEnum):
+    """What a report of Core's about a run did (the label of ``aq_core_callbacks_total``)."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # the job had already left pending/running
+    NOT_FINISHED = "not_finished"  # the run is not over
+    UNKNOWN_RUN = "unknown_run"
 
 
-async def _apply(db: Database, dispatcher: Dispatcher, run: CoreRun) -> str:
-    status = _STATUS_OF_STATE.get(run.state)
-    if status is None:
-        return "not_finished"
-    error_code = None
-    if status == "failed":
-        error_code = "analysis_failed"
-    elif status == "cancelled":
-        error_code = "cancelled_in_core"
-    result = await db.finish(
-        core_run_id=run.id,
-        status=status,
-        from_statuses=("pending", "running"),
-        error_code=error_code,
-        error_detail=run.error,
-        verdicts=run.verdicts if status == "succeeded" else None,
-        ran=status != "cancelled",
-    )
-    if result is None:
-        log.warning("core event for unknown run", extra={"action": "complete", "run_id": run.id})
-        return "unknown_run"
-    if result.promoted is not None:
-        dispatcher.metrics.promotions.labels("tail").inc()
-        dispatcher.submit(result.promoted.id)
-    if result.changed and status == "failed" and result.job.cost > 0:
-        dispatcher.metrics.refunds.labels("analysis_failed").inc()
-    log.info(
-        "run finished" if result.changed else "duplicate core event",
-        extra={
-            "action": "complete",
-            "job_id": str(result.job.id),
-            "user_id": result.job.user_id,
-            "status": result.job.status,
-            "promoted_job_id": str(result.promoted.id) if result.promoted else None,
-        },
-    )
-    return "applied" if result.changed else "duplicate"
+class FinishStore(Protocol):
+    """The database calls finishing makes (``store/database.Database``)."""
+
+    async def finish(
+        self,
+        *,
+        job_id: UUID | None = None,
+        core_run_id: str | None = None,
+        user_id: str | None = None,
+        status: JobStatus | None,
+        from_statuses: Sequence[JobStatus] = (),
+        delete: bool = False,
+        error_code: str | None = None,
+        error_detail: str | None = None,
+        verdicts: list[dict[str, Any]] | None = None,
+        ran: bool = False,
+    ) -> Finish | None: ...
+
+    async def put_back_reservation(self, r: StaleReservation) -> None: ...
+
+
+class CoreCancel(Protocol):
+    async def cancel(self, core_run_id: str) -> None: ...
+
+
+class Finisher:
+    def __init__(
+        self, db: FinishStore, core: CoreCancel, followup: FollowUp, metrics: Metrics
+    ) -> None:
+        self.db = db
+        self.core = core
+        self.followup = followup
+        self.metrics = metrics
+
+    def _followed(self, result: Finish, trigger: Trigger = Trigger.TAIL) -> None:
+        if result.changed:
+            self.followup.after(
+                Decision(
+                    trigger,
+                    user_id=result.job.user_id,
+                    promoted=result.promoted,
+                    refunded=result.job if result.refunded else None,
+                )
+            )
+
+    async def apply_core_run(self, run: CoreRun, *, source: str = "callback") -> Applied:
+        """Apply Core's report of a run's end (``source``: ``callback`` or ``poll``)."""
+        outcome = await self._apply(run)
+        label = outcome if source == "callback" else f"poll_{outcome}"
+        self.metrics.callbacks.labels(label).inc()
+        return outcome
+
+    async def _apply(self, run: CoreRun) -> Applied:
+        status = _STATUS_OF_STATE.get(run.state)
+        if status is None:
+            return Applied.NOT_FINISHED
+        result = await self.db.finish(
+            core_run_id=run.id,
+            status=status,
+            from_statuses=tuple(ACTIVE_STATUSES),
+            error_code=_ERROR_OF_STATUS.get(status),
+            error_detail=run.error,
+            verdicts=run.verdicts if status is JobStatus.SUCCEEDED else None,
+            ran=status is not JobStatus.CANCELLED,
+        )
+        if result is None:
+            log.warning(
+                "core event for unknown run", extra={"action": "complete", "run_id": run.id}
+            )
+            return Applied.UNKNOWN_RUN
+        self._followed(result)
+        log.info(
+            "run finished" if result.changed else "duplicate core event",
+            extra={
+                "action": "complete",
+                "job_id": str(result.job.id),
+                "user_id": result.job.user_id,
+                "status": result.job.status,
+                "promoted_job_ids": [str(j.id) for j in result.promoted],
+            },
+        )
+        return Applied.APPLIED if result.changed else Applied.DUPLICATE
+
+    async def fail(
+        self, job_id: UUID, *, from_statuses: Sequence[JobStatus], code: str, detail: str
+    ) -> Finish | None:
+        """Fail a job that never got (or lost) its run in Core; it is refunded."""
+        result = await self.db.finish(
+            job_id=job_id,
+            status=JobStatus.FAILED,
+            from_statuses=from_statuses,
+            error_code=code,
+            error_detail=detail,
+        )
+        if result is not None:
+            self._followed(result)
+        return result
+
+    async def cancel(self, job_id: UUID, user_id: str) -> Finish:
+        """A user's cancel (DELETE): soft-delete the job, cancelling it if it has not ended.
+
+        A queued job is cancelled and refunded, then its held run cancelled in Core. A pending
+        or running job is cancelled in Core *first*: its slot (the user's, and the provider's
+        when the ceiling is on) frees only after Core stopped the run, so a job promoted into
+        the slot never judges beside it. If Core cannot be told, ``CoreUnavailable`` is raised
+        and the job goes on. ``NotFound`` for no such job of this user's, or a deleted one."""
+        result = await self._cancel(job_id, user_id, (JobStatus.QUEUED,))
+        if result is None or (not result.changed and result.job.deleted_at is not None):
+            raise errors.NotFound()
+        job = result.job
+        if not result.changed and job.status in ACTIVE_STATUSES and job.core_run_id:
+            await self.core.cancel(job.core_run_id)  # CoreUnavailable: the job goes on
+            result = await self._cancel(job_id, user_id, tuple(ACTIVE_STATUSES))
+            assert result is not None  # jobs are never hard-deleted
+        elif result.changed and job.core_run_id:
+            # A held run: Core judges nothing, so its cancel may come after the commit.
+            try:
+                await self.core.cancel(job.core_run_id)
+            except errors.AppError:
+                # Left to the sweep, which cancels held runs it finds in the reservations.
+                await self.db.put_back_reservation(
+                    StaleReservation(
+                        job.run_id, job.id, job.user_id, job.core_run_id, job.thesis, job.sources
+                    )
+                )
+        log.info(
+            "deleted",
+            extra={
+                "action": "delete",
+                "job_id": str(job_id),
+                "user_id": user_id,
+                "was": result.old_status,
+            },
+        )
+        return result
+
+    async def _cancel(
+        self, job_id: UUID, user_id: str, from_statuses: tuple[JobStatus, ...]
+    ) -> Finish | None:
+        result = await self.db.finish(
+            job_id=job_id,
+            user_id=user_id,
+            status=JobStatus.CANCELLED,
+            from_statuses=from_statuses,
+            delete=True,
+            error_code="cancelled_by_user",
+            error_detail="Cancelled by the user.",
+        )
+        if result is not None and result.changed:
+            # A global slot or a user's room freed: with the ceiling on, a pass gives it out.
+            asks_pass = Trigger.CANCEL if self.followup.ceiling_on else None
+            self.followup.after(
+                Decision(
+                    Trigger.TAIL,
+                    user_id=None,
+                    promoted=result.promoted,
+                    refunded=result.job if result.refunded else None,
+                    asks_pass=asks_pass,
+                )
+            )
+        return result

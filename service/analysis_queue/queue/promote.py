@@ -1,19 +1,23 @@
-"""Promotion: fill free slots, from wherever a slot is known to have freed.
+"""Promotion: fill free slots, from wherever a slot is known or suspected to have freed.
 
-The decision is the database's (``aq_promote_v2``); this module decides *when* to ask, and folds
-requests that arrive while one is in flight into one more call:
+The decisions are the database's (sql/functions/promote.sql); this module decides *when* to ask,
+and folds requests that arrive while one is in flight into one more call:
 
-- **Ceiling off**: a slot is a user's. A freed slot means "promote this user's next job", one
-  call per user, several users at once (``promote_user``).
-- **Ceiling on**: a freed slot is the provider's and goes to whoever's turn it is, so there is
-  one kind of request, a *pass* (``run_pass``): at most one in flight per instance, repeated
-  while it fills whole batches or was asked again meanwhile. A pass first re-derives the waits
-  of the users whose slot freed (collected meanwhile), in case their completion was written by
-  something that did not. Passes of several instances queue on the global lock; a late one
-  finds nothing to do at the cost of a round trip.
+- **A wake-up** (``wake(user)``: a notification about one of the user's jobs, from any
+  instance). Wake-ups that arrive together go out as one call (``aq_promote_woken_v1``) that
+  reads without locks and only fills what the change left to fill: the usual notification (a
+  completion that already promoted its user's next job, an admit, a job starting) costs one
+  read. It also names the users' pending jobs that nobody is releasing. One call in flight per
+  instance; what arrives meanwhile forms the next.
+- **A pass** (``pass_soon``, and ``run_pass`` for the sweep and the start): with the provider
+  ceiling on, a freed global slot goes to whoever's turn it is. At most one in flight per
+  instance, repeated while it fills whole batches or was asked for again meanwhile; it first
+  re-derives the waits of the users it was asked for. Passes of several instances queue on the
+  global lock; a late one finds nothing to do at the cost of a round trip.
+- **A user's slots** (``promote``): the sweep's repair of a user a notification missed.
 
 Every call returns the ceiling in force, so the instance learns a change of mode from its next
-promotion; a stale belief costs one misdirected call, never a wrong decision.
+promotion. What a call promoted goes to the follow-up (queue/followup.py).
 """
 
 from __future__ import annotations
@@ -21,31 +25,44 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from analysis_queue import errors
-from analysis_queue.models import Job
-from analysis_queue.queue.dispatch import Dispatcher
-from analysis_queue.store.database import Database
+from analysis_queue.models import Job, Woken
+from analysis_queue.queue.followup import Decision, FollowUp, Trigger
 
 log = logging.getLogger(__name__)
 
 PASS_BATCH = 64  # promotions per pass transaction (it holds the chosen users' locks)
 
 
+class PromotionStore(Protocol):
+    """The database calls promotion makes (``store/database.Database``)."""
+
+    async def promote(
+        self, user_ids: Sequence[str], limit: int
+    ) -> tuple[int | None, list[Job]]: ...
+
+    async def promote_woken(self, user_ids: Sequence[str], limit: int) -> Woken: ...
+
+    async def set_user_limit(self, user_id: str, max_running: int | None) -> list[Job]: ...
+
+
 class Promoter:
-    def __init__(self, db: Database, dispatcher: Dispatcher, *, concurrency: int = 8) -> None:
+    def __init__(self, db: PromotionStore, followup: FollowUp, *, concurrency: int = 8) -> None:
         self.db = db
-        self.dispatcher = dispatcher
+        self.followup = followup
         self.ceiling: int | None = None  # as last seen by a promotion here
         self._sem = asyncio.Semaphore(concurrency)
-        self._promoting: set[str] = set()
-        self._again: set[str] = set()
+        self._woken: set[str] = set()
+        self._waking = False
         self._pass_running = False
         self._pass_again = False
+        self._pass_trigger = Trigger.NOTIFY
         self._pass_users: set[str] = set()  # to re-derive at the next pass
         self._tasks: set[asyncio.Task[None]] = set()
-        self.promotions = 0
+        self.promotions = 0  # jobs promoted through this promoter (tests)
+        self.wake_calls = 0  # database calls made for wake-ups (tests, benchmarks)
 
     @property
     def ceiling_on(self) -> bool:
@@ -53,22 +70,14 @@ class Promoter:
 
     # -- requests (never block) -------------------------------------------------------------
 
-    def slot_freed(self, user_id: str, trigger: str = "notify") -> None:
-        """A user's job left pending/running: fill what it freed."""
-        if self.ceiling_on:
-            self.pass_soon(trigger, user_id)
-        else:
-            self.promote_user_soon(user_id, trigger)
+    def wake(self, user_id: str) -> None:
+        """A job of ``user_id`` changed (a notification). Fills what the change left free."""
+        self._woken.add(user_id)
+        if not self._waking:
+            self._waking = True
+            self._spawn(self._wake_loop())
 
-    def promote_user_soon(self, user_id: str, trigger: str = "notify") -> None:
-        """Promote a user's next job; requests for one user fold into one re-run."""
-        if user_id in self._promoting:
-            self._again.add(user_id)
-            return
-        self._promoting.add(user_id)
-        self._spawn(self._promote_user(user_id, trigger))
-
-    def pass_soon(self, trigger: str = "notify", user_id: str | None = None) -> None:
+    def pass_soon(self, trigger: Trigger, user_id: str | None = None) -> None:
         """Run a promotion pass; requests while one runs fold into one more."""
         if user_id is not None:
             self._pass_users.add(user_id)
@@ -76,7 +85,8 @@ class Promoter:
             self._pass_again = True
             return
         self._pass_running = True
-        self._spawn(self._pass(trigger))
+        self._pass_trigger = trigger
+        self._spawn(self._pass())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -85,26 +95,15 @@ class Promoter:
 
     # -- calls ------------------------------------------------------------------------------
 
-    async def promote(self, user_ids: Sequence[str], trigger: str) -> list[Job]:
-        """One call to the database; hands what it promoted to the dispatcher."""
+    async def promote(self, user_ids: Sequence[str], trigger: Trigger) -> list[Job]:
+        """Fill the users' free slots (with the ceiling on: a pass that first re-derives their
+        waits). One call to the database; what it promoted goes to the follow-up."""
         async with self._sem:
             self.ceiling, jobs = await self.db.promote(user_ids, PASS_BATCH)
-        for job in jobs:
-            self.promotions += 1
-            self.dispatcher.metrics.promotions.labels(trigger).inc()
-            log.info(
-                "promoted",
-                extra={
-                    "action": "promote",
-                    "trigger": trigger,
-                    "job_id": str(job.id),
-                    "user_id": job.user_id,
-                },
-            )
-            self.dispatcher.submit(job.id)
+        self._promoted(jobs, trigger)
         return jobs
 
-    async def run_pass(self, trigger: str, user_ids: Sequence[str] = ()) -> int:
+    async def run_pass(self, trigger: Trigger, user_ids: Sequence[str] = ()) -> int:
         """Promote until a call fills less than a whole batch; returns how many."""
         total = 0
         while True:
@@ -114,30 +113,52 @@ class Promoter:
             if len(jobs) < PASS_BATCH:
                 return total
 
-    async def _promote_user(self, user_id: str, trigger: str) -> None:
-        try:
-            while True:
-                self._again.discard(user_id)
-                if self.ceiling_on:
-                    # Learned meanwhile: the slot is the provider's.
-                    self.pass_soon(trigger, user_id)
-                    break
-                await self.promote((user_id,), trigger)
-                if user_id not in self._again:
-                    break
-        except errors.DatabaseUnavailable:
-            log.warning("promotion: database unavailable", extra={"user_id": user_id})
-        except Exception:
-            log.exception("promotion failed", extra={"action": "promote", "user_id": user_id})
-        finally:
-            self._promoting.discard(user_id)
+    async def set_user_limit(self, user_id: str, max_running: int | None) -> list[Job]:
+        """Set a user's concurrency (None: the default) and start what a raise allows."""
+        jobs = await self.db.set_user_limit(user_id, max_running)
+        self.promotions += len(jobs)
+        # With the ceiling on, the user's jobs that now wait for capacity may start: a pass.
+        asks_pass = Trigger.LIMIT if self.ceiling_on else None
+        self.followup.after(Decision(Trigger.LIMIT, promoted=jobs, asks_pass=asks_pass))
+        return jobs
 
-    async def _pass(self, trigger: str) -> None:
+    def _promoted(self, jobs: Sequence[Job], trigger: Trigger) -> None:
+        self.promotions += len(jobs)
+        if jobs:
+            self.followup.after(Decision(trigger, promoted=jobs))
+
+    async def _wake_loop(self) -> None:
+        try:
+            while self._woken:
+                users, self._woken = sorted(self._woken), set()
+                try:
+                    await self._wake_once(users)
+                except errors.DatabaseUnavailable:
+                    # Lost: the sweep repairs what this wake-up would have done.
+                    log.warning("wake-up: database unavailable", extra={"action": "promote"})
+                except Exception:
+                    log.exception("wake-up failed", extra={"action": "promote"})
+        finally:
+            self._waking = False
+
+    async def _wake_once(self, users: list[str]) -> None:
+        async with self._sem:
+            self.wake_calls += 1
+            woken = await self.db.promote_woken(users, PASS_BATCH)
+        self.ceiling = woken.ceiling
+        self.promotions += len(woken.promoted)
+        self.followup.after(
+            Decision(Trigger.NOTIFY, promoted=woken.promoted, unreleased=woken.unreleased)
+        )
+        if len(woken.promoted) >= PASS_BATCH:
+            self.pass_soon(Trigger.NOTIFY)  # a whole batch: there may be more to fill
+
+    async def _pass(self) -> None:
         try:
             while True:
                 self._pass_again = False
                 users, self._pass_users = sorted(self._pass_users), set()
-                await self.run_pass(trigger, users)
+                await self.run_pass(self._pass_trigger, users)
                 if not self._pass_again:
                     break
         except errors.DatabaseUnavailable:

@@ -16,13 +16,18 @@ from uuid import UUID
 import asyncpg
 
 from analysis_queue.models import (
+    Admission,
     Capacity,
+    EventKind,
     Finish,
     Job,
     JobEvent,
+    JobStatus,
     Reservation,
+    ReservationOutcome,
     StaleReservation,
     UserLimit,
+    Woken,
 )
 from analysis_queue.store import migrate
 from analysis_queue.store.driver import init_connection, keep_session, server_settings, wrap_errors
@@ -35,6 +40,11 @@ def _job_or_none(row: Any) -> Job | None:
     if row is None or row["id"] is None:
         return None
     return Job.from_row(row)
+
+
+def _jobs(rows: Any) -> tuple[Job, ...]:
+    """An array of analysis_jobs rows (a composite array) as jobs."""
+    return tuple(Job.from_row(r) for r in rows or ())
 
 
 class Database:
@@ -117,7 +127,7 @@ class Database:
             idempotency_key,
             request_hash,
         )
-        return Reservation(row["outcome"], row["job_id"], row["balance"])
+        return Reservation(ReservationOutcome(row["outcome"]), row["job_id"], row["balance"])
 
     async def admit(
         self,
@@ -132,7 +142,7 @@ class Database:
         delta_of: UUID | None,
         idempotency_key: str | None,
         request_hash: str | None,
-    ) -> Job:
+    ) -> Admission:
         row = await self._fetchrow(
             "admit",
             job_id,
@@ -146,7 +156,7 @@ class Database:
             idempotency_key,
             request_hash,
         )
-        return Job.from_row(row)
+        return Admission(Job.from_row(row), _jobs(row["promoted"]))
 
     async def release_reservation(self, run_id: UUID) -> None:
         await self._execute("reservation_release", run_id)
@@ -193,6 +203,22 @@ class Database:
         ceiling = rows[0]["ceiling"] if rows else None
         return ceiling, [Job.from_row(r) for r in rows if r["id"] is not None]
 
+    async def promote_woken(self, user_ids: Sequence[str], limit: int) -> Woken:
+        """A notification woke these users: fill what it left free (a read without locks when
+        there is nothing to fill), and name their pending jobs nobody is releasing."""
+        try:
+            rows = await self._fetch("promote_woken", list(user_ids), limit)
+        except asyncpg.UniqueViolationError:
+            log.warning("promotion lost to a slot index", extra={"users": list(user_ids)[:10]})
+            return Woken(None, (), ())
+        ceiling = rows[0]["ceiling"] if rows else None
+        jobs = [(r["promoted"], Job.from_row(r)) for r in rows if r["id"] is not None]
+        return Woken(
+            ceiling,
+            tuple(job for promoted, job in jobs if promoted),
+            tuple(job for promoted, job in jobs if not promoted),
+        )
+
     # -- capacity ----------------------------------------------------------------------------
 
     async def set_ceiling(self, ceiling: int | None) -> None:
@@ -228,8 +254,8 @@ class Database:
         job_id: UUID | None = None,
         core_run_id: str | None = None,
         user_id: str | None = None,
-        status: str | None,
-        from_statuses: Sequence[str] = (),
+        status: JobStatus | None,
+        from_statuses: Sequence[JobStatus] = (),
         delete: bool = False,
         error_code: str | None = None,
         error_detail: str | None = None,
@@ -252,7 +278,13 @@ class Database:
         job = _job_or_none(row["job"]) if row is not None else None
         if row is None or job is None:
             return None
-        return Finish(job, row["old_status"], row["changed"], _job_or_none(row["promoted"]))
+        return Finish(
+            job,
+            JobStatus(row["old_status"]),
+            row["changed"],
+            row["refunded"],
+            _jobs(row["promoted"]),
+        )
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -316,7 +348,10 @@ class Database:
 
     async def events_after(self, user_id: str, after_id: int, limit: int) -> list[JobEvent]:
         rows = await self._fetch("job_event_list_after", user_id, after_id, limit)
-        return [JobEvent(r["event_id"], r["kind"], r["event_at"], _job_or_none(r)) for r in rows]
+        return [
+            JobEvent(r["event_id"], EventKind(r["kind"]), r["event_at"], _job_or_none(r))
+            for r in rows
+        ]
 
     async def queued_jobs(self, user_id: str) -> list[Job]:
         """The user's queued jobs in queue order, with their positions."""

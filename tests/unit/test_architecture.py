@@ -1,0 +1,119 @@
+"""The package's shape: imports point one way, from HTTP and the loops down to the queue's
+decisions and the database, with no cycle; only ``store`` talks to the database driver."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "service" / "analysis_queue"
+# Each layer may import itself and the layers listed before it. The composition root (app, cli,
+# demo) may import anything.
+LAYERS = [
+    {"errors", "models", "metrics", "logs", "config"},
+    {"store", "core"},
+    {"queue"},
+    {"loops"},
+    {"http"},
+    {"app", "cli", "demo", "__main__"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in it (function bodies too)."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        for target in targets:
+            if target in modules and target != name:
+                found.add(target)
+                break
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    for rank, members in enumerate(LAYERS):
+        if top in members:
+            return rank
+    return -1 if top == "__init__" else 99
+
+
+def test_the_scan_finds_the_packages_imports() -> None:
+    graph = _graph()
+    assert "analysis_queue.store.database" in graph["analysis_queue.queue.admit"]
+    assert "analysis_queue.queue.followup" in graph["analysis_queue.queue.finish"]
+    assert len(graph) >= 30
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, path)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert cycles == []
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = [
+        (module, target)
+        for module, targets in _graph().items()
+        for target in targets
+        if _layer(target) > _layer(module)
+    ]
+    assert upward == []
+    assert all(_layer(m) != 99 for m in _graph()), "a module in no layer"
+
+
+def test_only_the_store_imports_the_database_driver() -> None:
+    users = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if any(
+            isinstance(node, ast.Import | ast.ImportFrom)
+            and any(
+                (alias.name if isinstance(node, ast.Import) else (node.module or "")).split(".")[0]
+                == "asyncpg"
+                for alias in node.names
+            )
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+    )
+    assert users and all(name.startswith("store/") for name in users), users
