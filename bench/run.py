@@ -38,7 +38,10 @@ sys.path.insert(0, str(ROOT))
 from analysis_queue.core.client import CoreClient  # noqa: E402
 from analysis_queue.http.auth import mint_token  # noqa: E402
 from analysis_queue.loops.sweep import Sweeper, SweepSettings  # noqa: E402
+from analysis_queue.metrics import Metrics  # noqa: E402
 from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings  # noqa: E402
+from analysis_queue.queue.finish import Finisher  # noqa: E402
+from analysis_queue.queue.followup import FollowUp  # noqa: E402
 from analysis_queue.queue.promote import Promoter  # noqa: E402
 from analysis_queue.store.database import Database  # noqa: E402
 from analysis_queue.store.migrate import apply_migrations  # noqa: E402
@@ -625,8 +628,8 @@ async def raw_drain(
                 None,
                 True,
             )
-            promoted = row["promoted"]
-            return promoted["id"] if promoted is not None and promoted["id"] else None
+            promoted = row["promoted"]  # every job the finish promoted (one at most here)
+            return promoted[0]["id"] if promoted else None
 
         async def worker() -> None:
             while todo:
@@ -731,9 +734,22 @@ async def bench_sweep(server: str, histories: list[int], users_n: int) -> dict[s
             db = await Database.connect(dsn)
             core = CoreClient("http://127.0.0.1:9")  # never called: nothing is due
             await core.start()
-            dispatcher = Dispatcher(db, core, DispatchSettings(instance_id="bench"))
+            metrics = Metrics()
+            followup = FollowUp(metrics)
+            finisher = Finisher(db, core, followup, metrics)
+            dispatcher = Dispatcher(
+                db, core, DispatchSettings(instance_id="bench"), finisher, metrics
+            )
+            promoter = Promoter(db, followup)
+            followup.bind(releases=dispatcher, passes=promoter)
             sweeper = Sweeper(
-                db, core, dispatcher, Promoter(db, dispatcher), SweepSettings(running_quiet_s=3600)
+                db,
+                core,
+                dispatcher,
+                promoter,
+                finisher,
+                SweepSettings(running_quiet_s=3600),
+                metrics,
             )
             times = []
             for _ in range(7):

@@ -18,7 +18,7 @@ from aiohttp import web
 from analysis_queue.config import Settings
 from analysis_queue.core.client import CoreClient
 from analysis_queue.core.sim import CoreSimulator
-from analysis_queue.http import dashboard, events, openapi
+from analysis_queue.http import dashboard, events, openapi, problems
 from analysis_queue.http import routes as api
 from analysis_queue.http.auth import TokenCache
 from analysis_queue.http.state import SERVICES, Services
@@ -54,7 +54,7 @@ def build_app(
     """The service as an aiohttp application. ``on_fatal`` is called if a loop dies."""
     settings = settings.with_generated_secrets()
     app = web.Application(
-        middlewares=[api.request_id_middleware, api.problem_middleware],
+        middlewares=[api.request_id_middleware, problems.problem_middleware],
         client_max_size=CLIENT_MAX_SIZE,
     )
     app.add_routes(api.routes)

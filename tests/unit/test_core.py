@@ -228,8 +228,8 @@ async def test_release_judges_and_calls_back_signed(
     assert not callback.verified("another-secret")
     done = callback.run()
     assert done.id == other.id and done.state == "completed" and done.error is None
-    assert [v["source"] for v in done.verdicts] == SOURCES
-    assert all(v["verdict"] == verdict_for(v["source"]) in VERDICTS for v in done.verdicts)
+    assert [v.source for v in done.verdicts] == SOURCES
+    assert all(v.verdict == verdict_for(v.source) in VERDICTS for v in done.verdicts)
     assert await client.get_run(other.id) == done
     with pytest.raises(CoreRunGone):
         await client.release(other.id)  # completed runs are not held
@@ -471,8 +471,22 @@ def test_stale_or_future_timestamp_does_not_verify(skew_s: int) -> None:
 
 
 def test_core_run_from_json() -> None:
-    held = CoreRun.from_json({"id": "core-1", "state": "held"})
+    held = CoreRun.from_json({"id": "core-1", "state": "held", "extra": "ignored"})
     assert (held.verdicts, held.error, held.finished) == ([], None, False)
-    for bad in ({"state": "held"}, {"id": "core-1"}, {"id": "c", "state": "x", "verdicts": [1]}):
+    done = CoreRun.from_json(
+        {"id": "c", "state": "completed", "verdicts": [{"source": "s", "verdict": "v", "x": 1}]}
+    )
+    assert done.finished
+    assert [v.model_dump() for v in done.verdicts] == [{"source": "s", "verdict": "v"}]
+    for bad in (
+        {"state": "held"},
+        {"id": "core-1"},
+        {"id": "", "state": "held"},
+        {"id": 7, "state": "held"},
+        {"id": "c", "state": "x", "verdicts": [1]},
+        {"id": "c", "state": "x", "verdicts": [{"source": "s"}]},
+        {"id": "c", "state": "x", "error": 3},
+        ["not", "an", "object"],
+    ):
         with pytest.raises(ValueError):
             CoreRun.from_json(bad)

@@ -10,6 +10,7 @@ import schemathesis
 from aiohttp import web
 from analysis_queue.app import build_app
 from analysis_queue.config import Settings
+from analysis_queue.core.client import CoreRun
 from analysis_queue.http import bodies as schemas
 from analysis_queue.http import openapi
 
@@ -92,6 +93,15 @@ def test_request_bodies_are_the_pydantic_models(tmp_path: Path) -> None:
         "$ref": "#/components/schemas/AnalysisRequest"
     }
     assert components["AnalysisRequest"]["additionalProperties"] is False
+    # Core's callback body is the model the callback route parses it with.
+    generated = CoreRun.model_json_schema(ref_template="#/components/schemas/{model}")
+    generated.pop("$defs", None)
+    assert components["CoreEvent"] == generated
+    callback = document["paths"]["/v1/core/events"]["post"]["requestBody"]
+    assert callback["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/CoreEvent"
+    }
+    assert components["Verdict"]["required"] == ["source", "verdict"]
 
 
 def test_security_and_the_core_callback_are_described(tmp_path: Path) -> None:

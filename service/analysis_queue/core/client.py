@@ -6,12 +6,12 @@ import hashlib
 import hmac
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import quote
 
 import aiohttp
 import orjson
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from analysis_queue.errors import (
     CoreRunGone,
@@ -66,45 +66,44 @@ def verify_callback(
     return hmac.compare_digest(expected.encode("utf-8"), signature_header.encode("utf-8"))
 
 
-def _parse_verdicts(raw: Any) -> list[dict[str, str]]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise ValueError("verdicts is not a list")
-    verdicts: list[dict[str, str]] = []
-    for item in raw:
-        if not isinstance(item, dict):
-            raise ValueError("verdict is not an object")
-        source, verdict = item.get("source"), item.get("verdict")
-        if not isinstance(source, str) or not isinstance(verdict, str):
-            raise ValueError("verdict lacks source or verdict")
-        verdicts.append({"source": source, "verdict": verdict})
-    return verdicts
+class Verdict(BaseModel):
+    """Core's verdict on one source."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    source: str
+    verdict: str
 
 
-@dataclass(frozen=True)
-class CoreRun:
-    """One run as Core reports it."""
+def _none_is_empty(value: Any) -> Any:
+    return [] if value is None else value
 
-    id: str
-    state: str
-    verdicts: list[dict[str, str]]
-    error: str | None
+
+class CoreRun(BaseModel):
+    """One run as Core reports it: the body of its signed callback when a run ends, and its
+    answer to create and to ``GET /v1/runs/{id}``. The one description of that body: the
+    callback is parsed with it and the OpenAPI document's ``CoreEvent`` is generated from it.
+    Keys it does not know are ignored; a value of the wrong type is refused."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    id: str = Field(min_length=1, description="Core's run id.")
+    state: str = Field(
+        min_length=1,
+        description="held, judging, or how it ended.",
+        examples=["completed", "failed", "cancelled"],
+    )
+    # The create response carries only id and state: no verdicts yet ([], as null is read).
+    verdicts: Annotated[
+        list[Verdict],
+        BeforeValidator(_none_is_empty, json_schema_input_type=list[Verdict] | None),
+    ] = Field(default_factory=list)
+    error: str | None = None
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> CoreRun:
-        """Build from a Core response or callback body; ``ValueError`` if malformed."""
-        if not isinstance(d, Mapping):
-            raise ValueError("run is not an object")
-        run_id, state, error = d.get("id"), d.get("state"), d.get("error")
-        if not isinstance(run_id, str) or not run_id:
-            raise ValueError("run id missing")
-        if not isinstance(state, str) or not state:
-            raise ValueError("run state missing")
-        if error is not None and not isinstance(error, str):
-            raise ValueError("run error is not a string")
-        # The create response carries only id and state; the rest default to "nothing yet".
-        return cls(id=run_id, state=state, verdicts=_parse_verdicts(d.get("verdicts")), error=error)
+    def from_json(cls, data: Any) -> CoreRun:
+        """Build from a Core response or callback body (parsed); ``ValueError`` if malformed."""
+        return cls.model_validate(data)
 
     @property
     def finished(self) -> bool:

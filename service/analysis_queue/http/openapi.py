@@ -20,7 +20,7 @@ import orjson
 import pydantic
 from aiohttp import web
 
-from analysis_queue.core.client import CALLBACK_WINDOW_S
+from analysis_queue.core.client import CALLBACK_WINDOW_S, CoreRun
 from analysis_queue.http import bodies as schemas
 from analysis_queue.http import routes as api
 from analysis_queue.http.auth import MAX_USER_ID_LEN
@@ -28,12 +28,15 @@ from analysis_queue.http.auth import MAX_USER_ID_LEN
 OPENAPI_VERSION = "3.1.0"
 # Methods aiohttp answers without a route of their own (HEAD for every GET).
 IMPLICIT_METHODS = frozenset({"HEAD"})
-REQUEST_MODELS: tuple[type[pydantic.BaseModel], ...] = (
-    schemas.AnalysisRequest,
-    schemas.RecheckRequest,
-    schemas.CreditGrant,
-    schemas.UserLimitRequest,
-)
+# The request bodies, by the name the document gives their schema: generated from the models
+# that parse them.
+REQUEST_MODELS: dict[str, type[pydantic.BaseModel]] = {
+    "AnalysisRequest": schemas.AnalysisRequest,
+    "RecheckRequest": schemas.RecheckRequest,
+    "CreditGrant": schemas.CreditGrant,
+    "UserLimitRequest": schemas.UserLimitRequest,
+    "CoreEvent": CoreRun,
+}
 
 routes = web.RouteTableDef()
 
@@ -125,11 +128,6 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "verdicts": {"type": ["array", "null"], "items": _ref("Verdict")},
         },
     },
-    "Verdict": {
-        "type": "object",
-        "required": ["source", "verdict"],
-        "properties": {"source": {"type": "string"}, "verdict": {"type": "string"}},
-    },
     "JobList": {
         "type": "object",
         "additionalProperties": False,
@@ -204,21 +202,6 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "default": {"type": "boolean", "description": "true: no plan limit set (1)."},
             "active": {"type": "integer", "minimum": 0},
             "queued": {"type": "integer", "minimum": 0},
-        },
-    },
-    "CoreEvent": {
-        "type": "object",
-        "description": "A run as Core reports it when the run ends.",
-        "required": ["id", "state"],
-        "properties": {
-            "id": {"type": "string", "minLength": 1, "description": "Core's run id."},
-            "state": {
-                "type": "string",
-                "minLength": 1,
-                "examples": ["completed", "failed", "cancelled"],
-            },
-            "verdicts": {"type": ["array", "null"], "items": _ref("Verdict")},
-            "error": {"type": ["string", "null"]},
         },
     },
     "CoreEventOutcome": {
@@ -565,10 +548,10 @@ def route_keys(app: web.Application) -> tuple[RouteKey, ...]:
 def _request_schemas() -> dict[str, dict[str, Any]]:
     """The request models' JSON schemas, their nested models hoisted into components."""
     components: dict[str, dict[str, Any]] = {}
-    for model in REQUEST_MODELS:
+    for name, model in REQUEST_MODELS.items():
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(schema.pop("$defs", {}))
-        components[model.__name__] = schema
+        components[name] = schema
     return components
 
 

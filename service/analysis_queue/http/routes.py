@@ -1,11 +1,10 @@
-"""The HTTP API: routes, body parsing, and the one middleware that maps errors to problem+json."""
+"""The HTTP API: the routes and their body parsing. Errors become problem+json in problems.py."""
 
 from __future__ import annotations
 
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -24,6 +23,7 @@ from analysis_queue.http.bodies import (
     RecheckRequest,
     UserLimitRequest,
 )
+from analysis_queue.http.problems import Handler
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.logs import request_id_var
 from analysis_queue.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -31,12 +31,10 @@ from analysis_queue.models import OPEN_STATUSES
 
 log = logging.getLogger(__name__)
 
-PROBLEM_TYPE_BASE = "https://analysis-queue.invalid/problems/"
 MAX_IDEMPOTENCY_KEY_LEN = 200
 MAX_REPORTED_ERRORS = 20
 MAX_FIELD_NAME_CHARS = 100
 Model = TypeVar("Model", bound=pydantic.BaseModel)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 routes = web.RouteTableDef()
 
@@ -47,62 +45,6 @@ def json_response(
     return web.Response(
         body=orjson.dumps(payload), status=status, content_type="application/json", headers=headers
     )
-
-
-def problem(
-    error: errors.AppError, instance: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    body: dict[str, Any] = {
-        "type": PROBLEM_TYPE_BASE + error.code,
-        "title": error.title,
-        "status": error.status,
-        "detail": error.detail,
-        "code": error.code,
-        "instance": instance,
-    }
-    body.update({k: v for k, v in error.extra.items() if k not in body})
-    return web.Response(
-        body=orjson.dumps(body),
-        status=error.status,
-        content_type="application/problem+json",
-        headers={**error.headers, **(headers or {})},
-    )
-
-
-_HTTP_ERRORS: dict[int, type[errors.AppError]] = {
-    400: errors.MalformedRequest,
-    404: errors.NotFound,
-    405: errors.MethodNotAllowed,
-    413: errors.PayloadTooLarge,
-    415: errors.UnsupportedMediaType,
-}
-# Headers of aiohttp's own HTTP errors that a client needs (405 must say what is allowed).
-_KEPT_HEADERS = ("Allow",)
-
-
-@web.middleware
-async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error becomes application/problem+json; no traceback ever reaches a client."""
-    try:
-        return await handler(request)
-    except errors.AppError as exc:
-        if exc.status >= 500:
-            log.warning(
-                "request failed",
-                extra={"action": "http", "code": exc.code, "path": request.path},
-            )
-        return problem(exc, request.path)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        # Whatever else aiohttp may raise is still a problem, never its text page.
-        fallback = errors.BadRequest if exc.status < 500 else errors.AppError
-        error = _HTTP_ERRORS.get(exc.status, fallback)()
-        kept = {name: exc.headers[name] for name in _KEPT_HEADERS if name in exc.headers}
-        return problem(error, request.path, kept)
-    except Exception:
-        log.exception("unhandled error", extra={"action": "http", "path": request.path})
-        return problem(errors.AppError(), request.path)
 
 
 # -- helpers ------------------------------------------------------------------------------------

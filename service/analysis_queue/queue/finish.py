@@ -110,7 +110,9 @@ class Finisher:
             from_statuses=tuple(ACTIVE_STATUSES),
             error_code=_ERROR_OF_STATUS.get(status),
             error_detail=run.error,
-            verdicts=run.verdicts if status is JobStatus.SUCCEEDED else None,
+            verdicts=[v.model_dump() for v in run.verdicts]
+            if status is JobStatus.SUCCEEDED
+            else None,
             ran=status is not JobStatus.CANCELLED,
         )
         if result is None:

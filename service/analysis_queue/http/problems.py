@@ -1,0 +1,122 @@
+"""Errors as HTTP answers: the one place that maps the service's errors (``errors.py``, which know
+nothing of HTTP) to statuses and ``application/problem+json`` (RFC 9457), and the middleware that
+does it for every route. No traceback, SQL or secret ever reaches a client."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from analysis_queue import errors
+
+log = logging.getLogger(__name__)
+
+PROBLEM_TYPE_BASE = "https://analysis-queue.invalid/problems/"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Each error's HTTP status. A subclass not listed answers as its nearest listed ancestor; a test
+# checks that every error has one on purpose.
+STATUS: dict[type[errors.AppError], int] = {
+    errors.AppError: 500,
+    errors.MalformedRequest: 400,
+    errors.BadRequest: 400,
+    errors.Unauthorized: 401,
+    errors.InvalidSignature: 401,
+    errors.InsufficientCredits: 402,
+    errors.Forbidden: 403,
+    errors.NotFound: 404,
+    errors.MethodNotAllowed: 405,
+    errors.IdempotencyKeyReused: 409,
+    errors.IdempotencyInProgress: 409,
+    errors.Conflict: 409,
+    errors.PayloadTooLarge: 413,
+    errors.UnsupportedMediaType: 415,
+    errors.InvalidBody: 422,
+    errors.CoreRefused: 422,
+    errors.InvalidSource: 422,
+    errors.UnparseableThesis: 422,
+    errors.ProviderBudgetExhausted: 429,
+    errors.CoreRunGone: 502,
+    errors.CoreUnavailable: 503,
+    errors.DatabaseUnavailable: 503,
+    errors.ShuttingDown: 503,
+}
+
+# Headers an answer must carry: RFC 9110 15.5.2, a 401 says how to authenticate.
+HEADERS: dict[type[errors.AppError], dict[str, str]] = {
+    errors.Unauthorized: {"WWW-Authenticate": 'Bearer realm="analysis-queue"'},
+    errors.InvalidSignature: {
+        "WWW-Authenticate": (
+            'HMAC-SHA256 realm="core-events", headers="X-Core-Timestamp X-Core-Signature"'
+        )
+    },
+}
+
+# aiohttp's own HTTP errors (raised before or around a handler), as the service's errors.
+_HTTP_ERRORS: dict[int, type[errors.AppError]] = {
+    400: errors.MalformedRequest,
+    404: errors.NotFound,
+    405: errors.MethodNotAllowed,
+    413: errors.PayloadTooLarge,
+    415: errors.UnsupportedMediaType,
+}
+# Headers of aiohttp's own HTTP errors that a client needs (405 must say what is allowed).
+_KEPT_HEADERS = ("Allow",)
+
+
+def status_of(error: errors.AppError | type[errors.AppError]) -> int:
+    cls = error if isinstance(error, type) else type(error)
+    for klass in cls.__mro__:
+        if klass in STATUS:
+            return STATUS[klass]
+    return 500
+
+
+def problem(
+    error: errors.AppError, instance: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    status = status_of(error)
+    body: dict[str, Any] = {
+        "type": PROBLEM_TYPE_BASE + error.code,
+        "title": error.title,
+        "status": status,
+        "detail": error.detail,
+        "code": error.code,
+        "instance": instance,
+    }
+    body.update({k: v for k, v in error.extra.items() if k not in body})
+    return web.Response(
+        body=orjson.dumps(body),
+        status=status,
+        content_type="application/problem+json",
+        headers={**HEADERS.get(type(error), {}), **(headers or {})},
+    )
+
+
+@web.middleware
+async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error becomes application/problem+json; no traceback ever reaches a client."""
+    try:
+        return await handler(request)
+    except errors.AppError as exc:
+        if status_of(exc) >= 500:
+            log.warning(
+                "request failed",
+                extra={"action": "http", "code": exc.code, "path": request.path},
+            )
+        return problem(exc, request.path)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # Whatever else aiohttp may raise is still a problem, never its text page.
+        fallback = errors.BadRequest if exc.status < 500 else errors.AppError
+        error = _HTTP_ERRORS.get(exc.status, fallback)()
+        kept = {name: exc.headers[name] for name in _KEPT_HEADERS if name in exc.headers}
+        return problem(error, request.path, kept)
+    except Exception:
+        log.exception("unhandled error", extra={"action": "http", "path": request.path})
+        return problem(errors.AppError(), request.path)
