@@ -128,9 +128,9 @@ UPDATE analysis_jobs j
 RETURNING j.*, NULL::bigint AS queue_position;
 
 -- jobs_mark_running --
--- Core released the runs: $1 job ids, $2 the instance that claimed them (aq_mark_running_v1:
--- in lock order). Returns the jobs moved. One commit, and one turn at NOTIFY's commit lock, for
--- every release that completed while the previous one was being written.
+-- Core released the runs: $1 job ids, $2 the instance that claimed them (aq_mark_running_v1).
+-- Returns the jobs moved. One commit, and one turn at NOTIFY's commit lock, for every release
+-- that completed while the previous one was being written.
 SELECT j.*, NULL::bigint AS queue_position FROM aq_mark_running_v1($1::uuid[], $2) j;
 
 -- job_release_retry --

@@ -9,9 +9,8 @@
 --
 -- Ids are per user, dense and in commit order: the UPDATE of the user's counter row holds that
 -- row's lock until commit, so the user's next event-writing transaction takes the next id only
--- after this one committed, and a rollback gives its id back. The writer holds the user's lock
--- (most writers) and the job's row lock before this trigger locks the counter row; nothing
--- takes them the other way round (docs/locking.md).
+-- after this one committed, and a rollback gives its id back. The counter row is the last lock
+-- its writer takes (docs/locking.md).
 
 CREATE OR REPLACE FUNCTION aq_job_event_v2() RETURNS trigger
 LANGUAGE plpgsql AS $$

@@ -90,10 +90,9 @@ BEGIN
         END IF;
     ELSIF old_status IN ('queued', 'pending', 'running') THEN
         PERFORM aq_refresh_waits_locked_v1(v_user, v_ceiling);
-        -- Starting the user's next job here needs the ceiling as it is now (read above without
-        -- a lock): hold the global lock (shared to reuse the slot this frees, which nobody
-        -- else can see free before the commit; exclusive to allocate one), then read it again.
-        -- A try never waits; when it fails, a pass decides.
+        -- Starting the user's next job here needs the global lock, tried (shared to reuse the
+        -- slot this frees, exclusive to allocate one: docs/locking.md), and the ceiling read
+        -- again under it. When the try fails, a pass decides.
         IF old_status <> 'queued' AND job.global_slot IS NOT NULL THEN
             IF aq_try_lock_global_shared_v1() THEN
                 v_ceiling := aq_ceiling_v2();

@@ -1,8 +1,7 @@
 -- locks: the queue's advisory locks, the one place their keys are spelled.
 --
--- Which operation takes which lock, in what mode and order, is docs/locking.md; read it before
--- changing any function that calls these. In short: the global lock before user locks, user
--- locks in sorted order, a user's lock before that user's rows and event counter.
+-- Which operation takes which lock, in what mode and order, and why: docs/locking.md. Read it
+-- before changing any function that calls these.
 --
 -- All are transaction-scoped (released at commit or rollback: no leaked lock after an error)
 -- and bounded by the session's lock_timeout (55P03). Each takes its lock in a statement of its
@@ -18,11 +17,9 @@ BEGIN
 END
 $$;
 
--- The global lock guards the provider ceiling's slots. Its key text cannot equal a user key
--- (those are the queue's prefix and a colon, then the user id). Four modes, each used for one
--- reason (docs/locking.md): exclusive to hand out global slots or change the ceiling, shared
--- for decisions made with the ceiling off or ones that reuse a slot they free, a try of either
--- where waiting would invert the lock order.
+-- The global lock guards the provider ceiling's slots and value. Its key text cannot equal a
+-- user key (those are the queue's prefix and a colon, then the user id). Its four modes
+-- (exclusive or shared, waited for or tried) each have one use: docs/locking.md.
 CREATE OR REPLACE FUNCTION aq_lock_global_v1() RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN

@@ -6,10 +6,8 @@
 -- meanwhile (a fast completion callback may already have finished it) is left as it is.
 --
 -- A job's move to running writes an event, which locks its user's job_event_counters row until
--- commit, so one transaction for several users' jobs takes what every multi-user transaction
--- takes, in the same order (docs/locking.md): the global lock shared, then each user's lock,
--- users in sorted order, and only then that user's rows. Both orders it rules out deadlocked in
--- tests before it took them.
+-- commit, so a batch over several users takes their locks first, as docs/locking.md says
+-- ("mark running" and why).
 CREATE OR REPLACE FUNCTION aq_mark_running_v1(p_job_ids uuid[], p_instance text)
 RETURNS SETOF analysis_jobs
 LANGUAGE plpgsql VOLATILE AS $$
