@@ -51,6 +51,23 @@ async def wait_for(
         await asyncio.sleep(0.02)
 
 
+async def wait_until_blocked(
+    dsn: str, holder_pid: int, *, count: int = 1, timeout_s: float = 10.0
+) -> None:
+    """Wait until ``count`` backends are seen waiting for a lock that ``holder_pid`` holds: the
+    fact that proves a transaction waits for another, instead of sleeping and assuming it."""
+
+    async def blocked() -> bool:
+        n = await fetchval(
+            dsn,
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            holder_pid,
+        )
+        return bool(n >= count)
+
+    await wait_for(blocked, timeout_s=timeout_s, what=f"{count} waiting for backend {holder_pid}")
+
+
 @dataclass
 class Instance:
     runner: web.AppRunner

@@ -262,6 +262,31 @@ async def test_delete_of_a_queued_job_is_a_deleted_event_and_moves_the_rest(
     assert a["id"] not in {e.job_id for e in events if e.type == "position"}
 
 
+async def _head(h: Harness, user: str) -> int:
+    value = await fetchval(
+        h.database_url, "SELECT last_id FROM job_event_counters WHERE user_id = $1", user
+    )
+    return int(value or 0)
+
+
+async def _head_above(h: Harness, user: str, event_id: int) -> bool:
+    return await _head(h, user) > event_id
+
+
+async def _delete_one(h: Harness, user: str) -> None:
+    """Soft-delete one of the user's finished jobs: one new event, ``deleted``."""
+    job_id = await fetchval(
+        h.database_url,
+        "SELECT id FROM analysis_jobs WHERE user_id = $1 AND status = 'succeeded'"
+        " AND deleted_at IS NULL LIMIT 1",
+        user,
+    )
+    async with h.http.delete(
+        f"{h.instances[0].base_url}/v1/analyses/{job_id}", headers=h.auth(user)
+    ) as r:
+        assert r.status == 200, await r.text()
+
+
 # -- replay ---------------------------------------------------------------------------------
 
 
@@ -288,10 +313,16 @@ async def test_reconnect_with_last_event_id_misses_nothing_and_duplicates_nothin
         await first.close()
         last = first.stored()[-1].id
         assert last is not None
-        await asyncio.sleep(0.3)  # missed while disconnected
+        # Events committed while disconnected, for the replay to send.
+        await wait_for(lambda: _head_above(h, "u", last + 3), what="events while disconnected")
 
         async with stream(h, inst, "u", last_event_id=last) as second:
-            await asyncio.sleep(0.5)  # live events after the replay
+            # And events committed after the stream went live, for the live feed to send.
+            at_connect = await _head(h, "u")
+            await second.until(
+                lambda ev: any(e.id is not None and e.id > at_connect + 3 for e in ev),
+                what="live events after the replay",
+            )
             stop.set()
             await writing
 
@@ -308,16 +339,21 @@ async def test_reconnect_with_last_event_id_misses_nothing_and_duplicates_nothin
             await second.until(
                 lambda ev: any(e.id == head for e in ev), what=f"every event up to {head}"
             )
-            await asyncio.sleep(0.3)  # anything after the head would be a duplicate
+            # A duplicate of an earlier event would come before any later one: make one (a
+            # delete, event head + 1) and wait for it.
+            await _delete_one(h, "u")
+            await second.until(
+                lambda ev: any(e.id == head + 1 for e in ev), what="the marker event"
+            )
     finally:
         stop.set()
         await writing
 
     ids = [e.id for e in second.events if e.id is not None]
     assert all(e.type != "snapshot" for e in second.events)
-    assert ids == list(range(last + 1, head + 1)), "missed or duplicated events"
+    assert ids == list(range(last + 1, head + 2)), "missed or duplicated events"
     seen = [e.id for e in first.stored()] + ids
-    assert seen == list(range(1, head + 1))
+    assert seen == list(range(1, head + 2))
     assert len(second.events) > len(ids)  # the queued jobs' positions after the replay
 
 
@@ -358,8 +394,10 @@ async def test_last_event_id_older_than_kept_or_unknown_gets_a_snapshot(
     async with stream(h, inst, "u", last_event_id=head) as s:  # up to date: nothing to send
         status, _ = await h.admit("u", 9)  # no credits left: refused, so no event either
         assert status == 402
-        await asyncio.sleep(0.2)
-    assert s.events == []
+        # Anything the stream would send before the next event comes before it: make one.
+        await _delete_one(h, "u")
+        await s.until(lambda ev: len(ev) >= 1, what="the marker event")
+    assert [(e.type, e.id) for e in s.events] == [("deleted", head + 1)]
 
 
 # -- across instances, isolation, auth ------------------------------------------------------

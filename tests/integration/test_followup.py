@@ -87,7 +87,9 @@ async def test_every_promotion_is_counted_once_after_a_mixed_run(
     )
     counted = _metric_sum([a, b], "aq_promotions_total")
     assert sum(counted.values()) == promoted_in_db, counted
-    assert promoted_in_db > 0 and counted.get("tail", 0) > 0, counted
+    assert promoted_in_db > 0, counted
+    if not ceiling:
+        assert counted.get("tail", 0) > 0, counted  # completions fill the slot they free
 
     # Refunds are counted once too, by reason, as the ledger has them.
     refunds = await fetch(

@@ -22,6 +22,7 @@ from support import (
     fetch,
     fetchval,
     wait_for,
+    wait_until_blocked,
 )
 
 CEILING = 4
@@ -508,7 +509,8 @@ async def test_a_completion_in_flight_when_the_ceiling_is_lowered_obeys_the_new_
                 ran=True,
             )
         )
-        await asyncio.sleep(0.3)  # it has read the ceiling (3) and waits for the user lock
+        # It has read the ceiling (3) and waits for the user lock.
+        await wait_until_blocked(h.database_url, holder.get_server_pid())
         assert not finish.done()
         await fetchval(h.database_url, "SELECT aq_set_ceiling_v1(1)")
         await tx.rollback()

@@ -21,7 +21,7 @@ from analysis_queue.models import Job
 from analysis_queue.store.database import Database
 from analysis_queue.store.listen import JOBS_CHANNEL
 from analysis_queue.store.sqlfiles import migrations, queries, repeatables
-from support import check_invariants, wait_for
+from support import check_invariants, wait_for, wait_until_blocked
 
 REPO = Path(__file__).resolve().parents[2]
 THESIS = {"title": "On locks", "document_url": "https://uni.example/locks.pdf"}
@@ -547,8 +547,9 @@ async def test_a_batch_of_running_marks_waits_for_an_exclusive_promotion_pass(
         await tx.start()
         await holder.execute("SELECT aq_lock_global_v1()")
         marking = asyncio.create_task(db.mark_running(ids, "inst-a"))
-        await asyncio.sleep(0.3)
-        assert not marking.done(), "the batch did not wait for the exclusive global lock"
+        # The batch waits for the exclusive global lock (never finishing first proves nothing).
+        await wait_until_blocked(database_url, holder.get_server_pid())
+        assert not marking.done()
         await tx.commit()
         moved = await asyncio.wait_for(marking, 5)
     finally:
@@ -574,8 +575,14 @@ async def test_a_batch_of_running_marks_waits_for_a_finish_of_the_same_user(
         await finisher.execute("SELECT aq_lock_user_v1('two')")
         await finisher.execute("SELECT 1 FROM analysis_jobs WHERE id = $1 FOR UPDATE", second.id)
         marking = asyncio.create_task(db.mark_running([first.id, second.id], "inst-a"))
-        await asyncio.sleep(0.3)
-        assert not marking.done(), "the batch did not wait for the user's lock"
+        await wait_until_blocked(database_url, finisher.get_server_pid())
+        waits_for = await finisher.fetchval(
+            """SELECT l.locktype FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                WHERE NOT l.granted AND $1 = ANY(pg_blocking_pids(a.pid))""",
+            finisher.get_server_pid(),
+        )
+        assert waits_for == "advisory", "the batch waits for the user's lock, not a row"
+        assert not marking.done()
         # The finish goes on to write its event: it must not wait for the batch.
         await asyncio.wait_for(
             finisher.execute(

@@ -1,22 +1,14 @@
-"""The event stream's pieces without a database: frames, buffers, ids, the URL scrubber."""
+"""The event hub's pieces: SSE frames and a subscriber's bounded buffer."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from datetime import UTC, datetime
-from pathlib import Path
 from uuid import uuid4
 
 import orjson
-import pytest
-from aiohttp.test_utils import make_mocked_request
-from analysis_queue.http.events import _last_event_id
-from analysis_queue.logs import HumanFormatter, JsonFormatter, RedactTokens, redact
 from analysis_queue.loops.hub import Frame, Subscription, encode, event_frame
 from analysis_queue.models import Job, JobEvent
-
-STATIC = Path(__file__).resolve().parents[2] / "service" / "analysis_queue" / "http" / "static"
 
 
 def _job(**overrides: object) -> Job:
@@ -101,51 +93,3 @@ async def test_closing_wakes_a_waiting_reader_and_aborts_an_overflowed_one() -> 
     assert aborted == ["abort"]
     assert await stuck.next(1) is None
     assert stuck.offer([Frame(2, b"x")])  # ignored once closed
-
-
-@pytest.mark.parametrize(
-    ("header", "query", "expected"),
-    [
-        (None, None, None),
-        ("17", None, 17),
-        (" 17 ", None, 17),
-        (None, "5", 5),
-        ("0", None, 0),
-        ("-1", None, None),
-        ("1e3", None, None),
-        ("abc", None, None),
-        (str(2**63), None, None),
-        ("٣", None, None),  # a decimal digit that is not ASCII
-    ],
-)
-def test_last_event_id_is_a_non_negative_integer_or_nothing(
-    header: str | None, query: str | None, expected: int | None
-) -> None:
-    path = "/v1/events" + (f"?last_event_id={query}" if query is not None else "")
-    headers = {"Last-Event-ID": header} if header is not None else {}
-    assert _last_event_id(make_mocked_request("GET", path, headers=headers)) == expected
-
-
-def test_logged_access_tokens_are_redacted() -> None:
-    url = "http://h:1/v1/events?last_event_id=3&access_token=eyJ.secret.sig"
-    assert redact(url) == "http://h:1/v1/events?last_event_id=3&access_token=[redacted]"
-    assert redact("GET /v1/events?access_token=a.b.c HTTP/1.1") == (
-        "GET /v1/events?access_token=[redacted] HTTP/1.1"
-    )
-    record = logging.makeLogRecord(
-        {"msg": "%s %s", "args": ("GET", url), "levelname": "INFO", "url": url, "n": 1}
-    )
-    assert RedactTokens().filter(record)
-    for formatter in (JsonFormatter(), HumanFormatter()):
-        line = formatter.format(record)
-        assert "secret" not in line and "eyJ" not in line, line
-        assert "last_event_id=3" in line
-
-
-def test_the_dashboard_is_static_and_uses_no_inline_script() -> None:
-    html = (STATIC / "index.html").read_text()
-    assert '<script src="/static/app.js" defer></script>' in html
-    assert html.count("<script") == 1 and "style=" not in html
-    script = (STATIC / "app.js").read_text()
-    assert "setInterval" not in script and "innerHTML" not in script
-    assert "new EventSource(" in script

@@ -16,7 +16,7 @@ from analysis_queue.store.sqlfiles import (
     sql_dir,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PACKAGE = REPO / "service" / "analysis_queue"
 CREATE_FUNCTION = re.compile(
     r"^CREATE\s+(OR\s+REPLACE\s+)?FUNCTION\s+([a-z_0-9]+)\s*\(", re.MULTILINE | re.IGNORECASE

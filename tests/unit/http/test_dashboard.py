@@ -1,0 +1,16 @@
+"""The dashboard is static files, with no inline script."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STATIC = Path(__file__).resolve().parents[3] / "service" / "analysis_queue" / "http" / "static"
+
+
+def test_the_dashboard_is_static_and_uses_no_inline_script() -> None:
+    html = (STATIC / "index.html").read_text()
+    assert '<script src="/static/app.js" defer></script>' in html
+    assert html.count("<script") == 1 and "style=" not in html
+    script = (STATIC / "app.js").read_text()
+    assert "setInterval" not in script and "innerHTML" not in script
+    assert "new EventSource(" in script

@@ -1,0 +1,148 @@
+"""A job as the REST API and the event stream show it."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+from analysis_queue.models import (
+    ACTIVE_STATUSES,
+    TERMINAL_STATUSES,
+    EventKind,
+    Job,
+    JobNotice,
+    JobStatus,
+    WaitReason,
+)
+
+JOB_KEYS = {
+    "id",
+    "run_id",
+    "status",
+    "queue_position",
+    "waiting_for",
+    "delta_of",
+    "thesis",
+    "sources",
+    "created_at",
+    "promoted_at",
+    "started_at",
+    "finished_at",
+    "error",
+    "verdicts",
+}
+
+
+def _job(status: str, queue_position: int | None, **overrides: Any) -> Job:
+    values: dict[str, Any] = {
+        "id": uuid.uuid4(),
+        "user_id": "alice",
+        "run_id": uuid.uuid4(),
+        "core_run_id": "core-1",
+        "status": status,
+        "queue_seq": 7,
+        "delta_of_job_id": None,
+        "deleted_at": None,
+        "thesis": {"title": "T", "document_url": "https://uni.example/t.pdf"},
+        "sources": ["10.1000/x"],
+        "cost": 1,
+        "created_at": datetime(2030, 1, 1, tzinfo=UTC),
+        "promoted_at": None,
+        "started_at": None,
+        "finished_at": None,
+        "release_attempts": 0,
+        "next_release_at": None,
+        "error_code": None,
+        "error_detail": None,
+        "verdicts": None,
+        "queue_position": queue_position,
+    }
+    values.update(overrides)
+    return Job(**values)
+
+
+@pytest.mark.parametrize(
+    "status", ["queued", "pending", "running", "succeeded", "failed", "cancelled"]
+)
+def test_job_json_shape(status: str) -> None:
+    job = _job(status, 3, waiting_for="provider_capacity")
+    body = job.to_json()
+    assert set(body) == JOB_KEYS
+    assert body["queue_position"] == (3 if status == "queued" else None)
+    assert body["waiting_for"] == ("provider_capacity" if status == "queued" else None)
+    assert body["id"] == str(job.id) and body["run_id"] == str(job.run_id)
+    assert body["created_at"] == "2030-01-01T00:00:00+00:00"
+    assert body["delta_of"] is None
+    json.dumps(body)  # plain JSON types only
+
+
+def test_job_json_delta_and_error() -> None:
+    parent = uuid.uuid4()
+    job = _job(
+        "failed",
+        None,
+        delta_of_job_id=parent,
+        finished_at=datetime(2030, 1, 2, tzinfo=UTC),
+        error_code="core_run_gone",
+        error_detail="gone",
+    )
+    body = job.to_json()
+    assert set(body) == JOB_KEYS
+    assert body["delta_of"] == str(parent)
+    assert body["error"] == {"code": "core_run_gone", "detail": "gone"}
+    assert body["queue_position"] is None
+    assert _job("queued", None).to_json()["queue_position"] is None
+
+
+# -- the closed sets are the database's ------------------------------------------------------
+
+BASELINE = (
+    Path(__file__).resolve().parents[2] / "sql" / "migrations" / "0011_baseline.sql"
+).read_text()
+
+
+def _check_values(pattern: str) -> set[str]:
+    match = re.search(pattern, BASELINE, flags=re.DOTALL)
+    assert match is not None, pattern
+    return set(re.findall(r"'([a-z_]+)'", match.group(1)))
+
+
+def test_statuses_kinds_and_waits_are_what_the_database_allows() -> None:
+    assert {s.value for s in JobStatus} == _check_values(
+        r"status\s+text NOT NULL CHECK \((.*?)\)\)"
+    )
+    assert {k.value for k in EventKind} == _check_values(r"job_events_kind_check CHECK \((.*?)\)\)")
+    assert {w.value for w in WaitReason} == _check_values(r"AND waiting_for IN \((.*?)\)\)")
+    assert ACTIVE_STATUSES | TERMINAL_STATUSES | {JobStatus.QUEUED} == set(JobStatus)
+
+
+def test_a_notification_payload_reads_as_a_notice_and_extra_keys_are_ignored() -> None:
+    job_id = uuid.uuid4()
+    payload = json.dumps(
+        {
+            "id": str(job_id),
+            "user_id": "u",
+            "old": None,
+            "new": "queued",
+            "deleted": False,
+            "delta": False,
+            "at": 1.5,
+            "a_key_of_a_later_release": 1,
+        }
+    )
+    notice = JobNotice.model_validate_json(payload)
+    assert (notice.id, notice.user_id, notice.old, notice.new, notice.at) == (
+        job_id,
+        "u",
+        None,
+        JobStatus.QUEUED,
+        1.5,
+    )
+    with pytest.raises(pydantic.ValidationError):
+        JobNotice.model_validate_json(json.dumps({"id": str(job_id), "new": "exploded"}))
