@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import logging
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Annotated, Any
 from urllib.parse import quote
 
@@ -29,7 +30,20 @@ CORE_TIMEOUT_S = 10.0
 CORE_CONNECTIONS_MAX = 100
 # Core's refusal details reach end users; a misbehaving Core must not flood them.
 REFUSAL_DETAIL_MAX_CHARS = 500
-FINISHED_STATES = frozenset({"completed", "failed", "cancelled"})
+
+
+class RunState(StrEnum):
+    """The states of a Core run this service acts on (Core may report others: they are kept as
+    strings and mean "not finished")."""
+
+    HELD = "held"
+    JUDGING = "judging"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINISHED_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED})
 # Transient by definition, so they must never be read as "the run is gone".
 TRANSIENT_4XX = frozenset({408, 429})
 

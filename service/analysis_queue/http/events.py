@@ -8,8 +8,8 @@ forwards the hub's live frames, dropping those it already sent:
 - without one, or with one older than the kept events (pruned) or unknown: a ``snapshot``
   frame with every job as ``GET /v1/analyses`` lists them.
 
-Ids are per user, dense and in commit order (``triggers/0005_job_events_v1.sql``): a replay
-that does not continue at ``Last-Event-ID + 1`` has lost events to pruning. Live frames are
+Ids are per user, dense and in commit order (``triggers/job_events.sql``): a replay that does
+not continue at ``Last-Event-ID + 1`` has lost events to pruning. Live frames are
 dropped by the ids the replay actually sent (or those covered by the snapshot), so nothing is
 sent twice and nothing is missed.
 

@@ -28,6 +28,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 from uuid import UUID
 
@@ -35,13 +36,24 @@ import orjson
 
 from analysis_queue import errors
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import Job, JobEvent
+from analysis_queue.models import EventKind, Job, JobEvent
 from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
 
 # Kinds after which the user's other queued jobs may have moved up.
-QUEUE_LEAVING_KINDS = frozenset({"promoted", "cancelled", "deleted", "changed"})
+QUEUE_LEAVING_KINDS = frozenset(
+    {EventKind.PROMOTED, EventKind.CANCELLED, EventKind.DELETED, EventKind.CHANGED}
+)
+
+
+class StreamKind(StrEnum):
+    """Frames of the stream that are not stored events (those are ``EventKind``)."""
+
+    POSITION = "position"  # a queued job's position moved; no id
+    SNAPSHOT = "snapshot"  # every job, when there is nothing to resume; the latest event id
+
+
 HEARTBEAT = b": keepalive\n\n"
 
 
@@ -88,21 +100,21 @@ def event_frame(event: JobEvent) -> Frame:
 def position_frame(job: Job) -> Frame:
     payload = {
         "id": None,
-        "kind": "position",
+        "kind": StreamKind.POSITION,
         "at": datetime.now(UTC).isoformat(),
         "job": job.to_json(),
     }
-    return Frame(None, encode("position", payload))
+    return Frame(None, encode(StreamKind.POSITION, payload))
 
 
 def snapshot_frame(head: int, jobs: Iterable[Job]) -> Frame:
     payload = {
         "id": head,
-        "kind": "snapshot",
+        "kind": StreamKind.SNAPSHOT,
         "at": datetime.now(UTC).isoformat(),
         "analyses": [j.to_json() for j in jobs],
     }
-    return Frame(head, encode("snapshot", payload, head))
+    return Frame(head, encode(StreamKind.SNAPSHOT, payload, head))
 
 
 class Subscription:

@@ -21,7 +21,7 @@ from uuid import UUID
 import tenacity
 
 from analysis_queue import errors
-from analysis_queue.core.client import CoreClient
+from analysis_queue.core.client import CoreClient, RunState
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import Job, JobStatus, StaleReservation
 from analysis_queue.queue.finish import Finisher
@@ -210,10 +210,10 @@ class Dispatcher:
         except errors.CoreUnavailable:
             await self._retry_later(job, "Core's state of the run is unknown")
             return Released.RETRY
-        if run is None or run.state == "cancelled":
+        if run is None or run.state == RunState.CANCELLED:
             await self._fail(job, "core_run_gone", detail)
             return Released.FAILED
-        if run.state == "judging":
+        if run.state == RunState.JUDGING:
             await self._running.submit(job.id)
             self.released += 1
             return Released.RELEASED

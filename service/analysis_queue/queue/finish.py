@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from uuid import UUID
 
 from analysis_queue import errors
-from analysis_queue.core.client import CoreRun
+from analysis_queue.core.client import CoreRun, RunState
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import (
     ACTIVE_STATUSES,
@@ -31,10 +31,10 @@ from analysis_queue.queue.followup import Decision, FollowUp, Trigger
 
 log = logging.getLogger(__name__)
 
-_STATUS_OF_STATE = {
-    "completed": JobStatus.SUCCEEDED,
-    "failed": JobStatus.FAILED,
-    "cancelled": JobStatus.CANCELLED,
+_STATUS_OF_STATE: dict[str, JobStatus] = {
+    RunState.COMPLETED: JobStatus.SUCCEEDED,
+    RunState.FAILED: JobStatus.FAILED,
+    RunState.CANCELLED: JobStatus.CANCELLED,
 }
 _ERROR_OF_STATUS = {JobStatus.FAILED: "analysis_failed", JobStatus.CANCELLED: "cancelled_in_core"}
 
