@@ -26,6 +26,7 @@ from analysis_queue.loops.hub import EventHub, HubSettings
 from analysis_queue.loops.listener import Listener, ListenerSettings
 from analysis_queue.loops.sweep import Sweeper, SweepSettings
 from analysis_queue.metrics import Metrics
+from analysis_queue.models import JobNotice
 from analysis_queue.queue.admit import Admitter
 from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.queue.finish import Finisher
@@ -159,9 +160,9 @@ def _make_services(
     listener = None
     if settings.listen_enabled:
 
-        def wake(user_id: str) -> None:  # a job of this user changed, through any instance
-            hub.notify(user_id)
-            promoter.wake(user_id)
+        def heard(notice: JobNotice, own: bool) -> None:  # a job changed, through any instance
+            hub.notify(notice.user_id)
+            promoter.heard(notice, own=own)
 
         def connected() -> None:  # notifications were lost while the connection was down
             sweeper.kick()
@@ -171,7 +172,7 @@ def _make_services(
             db,
             ListenerSettings(ping_interval_s=settings.listener_ping_s),
             metrics,
-            on_wake=wake,
+            on_notice=heard,
             on_connected=connected,
         )
     return Services(

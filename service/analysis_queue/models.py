@@ -64,6 +64,16 @@ class JobNotice(BaseModel):
     delta: bool = False
     at: float | None = None  # epoch seconds when the change was written
 
+    @property
+    def may_leave_work(self) -> bool:
+        """Whether the change can leave something for a promotion or a release to do: a job
+        left pending/running (its slots freed; the writer may not have filled them), or a job
+        became pending (someone must release it). An admit, a start or a change of wait
+        cannot: the transaction that made it decided everything it allows."""
+        frees = self.old in ACTIVE_STATUSES and (self.new not in ACTIVE_STATUSES or self.deleted)
+        starts = self.new == JobStatus.PENDING and self.old != JobStatus.PENDING
+        return frees or starts
+
 
 # A pending job shows the error of its last release attempt (release_retrying).
 _ERROR_SHOWN = TERMINAL_STATUSES | {JobStatus.PENDING}

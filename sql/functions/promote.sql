@@ -242,48 +242,59 @@ $$;
 
 -- A wake-up (a notification about p_users' jobs): fill what it left to fill, and name the
 -- pending jobs of p_users nobody is releasing. Reads without a lock first, so the usual wake
--- (the change already filled its own slot, or freed none) costs one read and takes no lock;
--- only users with room and a queued head that should move, or with the ceiling on a free
--- global slot and a ready job, go on to aq_promote_v2. Returns the ceiling in force and one row
--- per job: promoted by this call (promoted = true) or pending, unclaimed and due (false); one
--- row with job NULL when there is none.
+-- (the change already filled its own slot, or freed none) costs a few index lookups and takes
+-- no lock; only users with room and a queued head that should move, or with the ceiling on a
+-- free global slot and a ready job, go on to aq_promote_v2. Returns the ceiling in force and one
+-- row per job: promoted by this call (promoted = true) or pending, unclaimed and due (false);
+-- one row with job NULL when there is none. Simple statements per user, each planned once per
+-- session: one query over the array was planned anew on every call (about 1 ms).
 CREATE OR REPLACE FUNCTION aq_promote_woken_v1(
     p_users text[], p_max integer,
     OUT ceiling integer, OUT job analysis_jobs, OUT promoted boolean)
 RETURNS SETOF record
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_users text[];
+    v_user text;
+    v_users text[] := '{}';
+    v_woken text[];
+    v_head text;
+    v_limit integer;
+    v_used integer[];
     v_ids uuid[] := '{}';
     v_row record;
-    v_pass boolean;
+    v_job analysis_jobs;
 BEGIN
     ceiling := aq_ceiling_v2();
-    -- Users whose queue should move now: room (fewer active first-pass jobs than their
-    -- limit) and a head that does not wait for the provider (ceiling on: its wait is stale);
-    -- or, ceiling off, a delta still waiting for capacity.
-    SELECT coalesce(array_agg(w.u ORDER BY w.u), '{}') INTO v_users
-      FROM (SELECT DISTINCT u FROM unnest(p_users) u WHERE u IS NOT NULL) w
-     WHERE (EXISTS (SELECT 1 FROM (SELECT q.waiting_for FROM analysis_jobs q
-                                    WHERE q.user_id = w.u AND q.status = 'queued'
-                                      AND q.delta_of_job_id IS NULL
-                                    ORDER BY q.queue_seq
-                                    LIMIT 1) h
-                     WHERE ceiling IS NULL OR h.waiting_for = 'your_previous_analysis')
-            AND (SELECT count(*) FROM analysis_jobs a
-                  WHERE a.user_id = w.u AND a.status IN ('pending', 'running')
-                    AND a.delta_of_job_id IS NULL) < aq_user_limit_v1(w.u))
-        OR (ceiling IS NULL AND EXISTS (
+    SELECT coalesce(array_agg(DISTINCT u ORDER BY u), '{}') INTO v_woken
+      FROM unnest(p_users) u WHERE u IS NOT NULL;
+    FOREACH v_user IN ARRAY v_woken LOOP
+        -- Room (fewer active first-pass jobs than the limit) and a head that does not wait
+        -- for the provider (with the ceiling on, its wait is stale) ...
+        SELECT q.waiting_for INTO v_head FROM analysis_jobs q
+         WHERE q.user_id = v_user AND q.status = 'queued' AND q.delta_of_job_id IS NULL
+         ORDER BY q.queue_seq
+         LIMIT 1;
+        IF FOUND AND (ceiling IS NULL OR v_head = 'your_previous_analysis') THEN
+            SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(v_user) s;
+            IF cardinality(v_used) < v_limit THEN
+                v_users := v_users || v_user;
+                CONTINUE;
+            END IF;
+        END IF;
+        -- ... or, ceiling off, a delta still waiting for capacity.
+        IF ceiling IS NULL AND EXISTS (
                 SELECT 1 FROM analysis_jobs d
-                 WHERE d.user_id = w.u AND d.status = 'queued'
-                   AND d.waiting_for = 'provider_capacity' AND d.delta_of_job_id IS NOT NULL));
-    v_pass := cardinality(v_users) > 0 OR (
-        ceiling IS NOT NULL
-        AND EXISTS (SELECT 1 FROM analysis_jobs r
-                     WHERE r.status = 'queued' AND r.waiting_for = 'provider_capacity')
-        AND (SELECT count(*) FROM analysis_jobs a
-              WHERE a.status IN ('pending', 'running')) < ceiling);
-    IF v_pass THEN
+                 WHERE d.user_id = v_user AND d.status = 'queued'
+                   AND d.waiting_for = 'provider_capacity' AND d.delta_of_job_id IS NOT NULL) THEN
+            v_users := v_users || v_user;
+        END IF;
+    END LOOP;
+    IF cardinality(v_users) > 0 OR (
+            ceiling IS NOT NULL
+            AND EXISTS (SELECT 1 FROM analysis_jobs r
+                         WHERE r.status = 'queued' AND r.waiting_for = 'provider_capacity')
+            AND (SELECT count(*) FROM analysis_jobs a
+                  WHERE a.status IN ('pending', 'running')) < ceiling) THEN
         FOR v_row IN SELECT * FROM aq_promote_v2(v_users, p_max) LOOP
             ceiling := v_row.ceiling;
             CONTINUE WHEN (v_row.job).id IS NULL;
@@ -293,17 +304,27 @@ BEGIN
             RETURN NEXT;
         END LOOP;
     END IF;
-    FOR v_row IN
-        SELECT j FROM analysis_jobs j
-         WHERE j.user_id = ANY (p_users) AND j.status = 'pending'
-           AND j.id <> ALL (v_ids)
-           AND (j.claim_expires_at IS NULL OR j.claim_expires_at < clock_timestamp())
-           AND (j.next_release_at IS NULL OR j.next_release_at <= clock_timestamp())
-    LOOP
-        job := v_row.j;
-        promoted := false;
-        v_ids := v_ids || job.id;
-        RETURN NEXT;
+    FOREACH v_user IN ARRAY v_woken LOOP
+        -- First-pass jobs through the user's slots, deltas through the open work (the user's
+        -- history is never read).
+        FOR v_job IN
+            SELECT j.* FROM analysis_jobs j
+             WHERE j.user_id = v_user AND j.status IN ('pending', 'running')
+               AND j.delta_of_job_id IS NULL AND j.status = 'pending'
+               AND (j.claim_expires_at IS NULL OR j.claim_expires_at < clock_timestamp())
+               AND (j.next_release_at IS NULL OR j.next_release_at <= clock_timestamp())
+            UNION ALL
+            SELECT j.* FROM analysis_jobs j
+             WHERE j.status = 'pending' AND j.delta_of_job_id IS NOT NULL AND j.user_id = v_user
+               AND (j.claim_expires_at IS NULL OR j.claim_expires_at < clock_timestamp())
+               AND (j.next_release_at IS NULL OR j.next_release_at <= clock_timestamp())
+        LOOP
+            CONTINUE WHEN v_job.id = ANY (v_ids);
+            job := v_job;
+            promoted := false;
+            v_ids := v_ids || job.id;
+            RETURN NEXT;
+        END LOOP;
     END LOOP;
     IF cardinality(v_ids) = 0 THEN
         job := NULL;

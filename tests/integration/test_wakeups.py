@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import asyncpg
 from support import Harness, assert_fifo_serial, check_invariants, fetch, fetchval, wait_for
@@ -53,6 +54,39 @@ async def test_promotion_after_completion_comes_from_notify(harness: Harness) ->
     assert promoter.promotions == promotions_before + 1
     assert inst.services.sweeper.passes == sweeps_before, "the sweep did not run"
     await assert_fifo_serial(h.database_url)
+
+
+async def test_an_instances_own_changes_wake_only_the_other_instances(harness: Harness) -> None:
+    """Every instance hears every change. The one that committed it followed it up already (its
+    pool's backends sent the notification), so only the others spend a read on it."""
+    h = harness
+    h.sim.judge_time_s = 0.02
+    a = await h.start_instance(sweep_interval_s=0)
+    b = await h.start_instance(sweep_interval_s=0)
+    h.sim.callback_urls.remove(f"{b.base_url}/v1/core/events")  # Core calls a back
+    await h.grant("u", 3)
+    for n in range(3):
+        assert (await h.admit("u", n, instance=a))[0] == 201
+
+    async def all_done() -> bool:
+        return bool(
+            await fetchval(
+                h.database_url, "SELECT bool_and(status = 'succeeded') FROM analysis_jobs"
+            )
+        )
+
+    await wait_for(all_done, what="three analyses")
+    assert a.services.promoter.promotions + b.services.promoter.promotions == 0, "tail only"
+    await wait_for(lambda: _settled_wakes(b), what="the other instance to wake for the freed slots")
+    assert a.services.db.backend_pids, "the pool knows its server processes"
+    # a committed every change that could leave work (admits, promotions, completions); b only
+    # read, or released what it found pending.
+    assert a.services.promoter.wake_calls == 0
+    await assert_fifo_serial(h.database_url)
+
+
+async def _settled_wakes(instance: Any) -> bool:
+    return bool(instance.services.promoter.wake_calls > 0)
 
 
 async def test_sweep_alone_drains_the_queue_without_listen(harness: Harness) -> None:

@@ -146,3 +146,24 @@ def test_a_notification_payload_reads_as_a_notice_and_extra_keys_are_ignored() -
     )
     with pytest.raises(pydantic.ValidationError):
         JobNotice.model_validate_json(json.dumps({"id": str(job_id), "new": "exploded"}))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "deleted", "leaves_work"),
+    [
+        (None, "queued", False, False),  # an admit decided its own slot
+        (None, "pending", False, True),  # admitted into a free slot: someone releases it
+        ("queued", "pending", False, True),  # promoted
+        ("pending", "running", False, False),  # started
+        ("queued", "queued", False, False),  # a change of wait
+        ("running", "succeeded", False, True),  # a slot freed
+        ("pending", "failed", False, True),
+        ("queued", "cancelled", True, False),  # held no slot
+        ("succeeded", "succeeded", True, False),  # a delete of a finished job
+    ],
+)
+def test_which_changes_may_leave_work_for_a_promotion_or_a_release(
+    old: str | None, new: str, deleted: bool, leaves_work: bool
+) -> None:
+    notice = JobNotice(id=uuid.uuid4(), user_id="u", old=old, new=new, deleted=deleted)
+    assert notice.may_leave_work is leaves_work

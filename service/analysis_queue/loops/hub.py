@@ -186,10 +186,10 @@ class _Feed:
 class EventHub:
     """``await subscribe(user)`` / ``unsubscribe(sub)``; ``notify(user)`` from the listener."""
 
-    def __init__(self, db: Database, settings: HubSettings, metrics: Metrics | None = None) -> None:
+    def __init__(self, db: Database, settings: HubSettings, metrics: Metrics) -> None:
         self.db = db
         self.settings = settings
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics
         self._feeds: dict[str, _Feed] = {}
         self._reads = asyncio.Semaphore(settings.read_concurrency)
         self._tasks: set[asyncio.Task[None]] = set()

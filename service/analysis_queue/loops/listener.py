@@ -2,12 +2,12 @@
 
 Every committed job change notifies (triggers/job_notify.sql), whichever instance or writer made
 it. The listener turns each notification into a wake-up for the job's user and nothing more:
-``on_wake(user_id)``, which the application points at the event hub (read the user's new
-events) and the promoter (fill what the change left free, read from the database). What the
-change was is the database's to say, not the payload's: NOTIFY is a hint, never the source of
-truth. Notifications sent while the connection is down are lost for good, so each (re)connect
-LISTENs first and then asks for a catch-up (``on_connected``: the sweep and the hub re-read). A
-ping every few seconds notices a half-open connection.
+``on_notice(notice, own)``, a typed ``JobNotice`` and whether this instance committed it, which
+the application hands to the event hub (read the user's new events) and the promoter (fill what
+the change may have left to fill, read from the database). NOTIFY is a hint, never the source
+of truth. Notifications sent while the connection is down are lost for good, so each
+(re)connect LISTENs first and then asks for a catch-up (``on_connected``: the sweep and the hub
+re-read). A ping every few seconds notices a half-open connection.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ class Listener:
         settings: ListenerSettings,
         metrics: Metrics,
         *,
-        on_wake: Callable[[str], None],
+        on_notice: Callable[[JobNotice, bool], None],
         on_connected: Callable[[], None] | None = None,
     ) -> None:
         self.db = db
         self.settings = settings
         self.metrics = metrics
-        self.on_wake = on_wake
+        self.on_notice = on_notice
         self.on_connected = on_connected
         self._conn: ListenConnection | None = None
         self._task: asyncio.Task[None] | None = None
@@ -69,8 +69,10 @@ class Listener:
     def backend_pid(self) -> int | None:
         return self._conn.backend_pid() if self._conn is not None else None
 
-    def handle_payload(self, payload: str) -> None:
-        """Called by asyncpg for each notification; must not block."""
+    def handle_payload(self, payload: str, sender_pid: int | None = None) -> None:
+        """Called by asyncpg for each notification; must not block. ``sender_pid`` is the server
+        process whose transaction sent it: one of this instance's pool means this instance
+        committed the change (``own``)."""
         self.notifications += 1
         self.metrics.notifications.inc()
         try:
@@ -83,7 +85,7 @@ class Listener:
         if notice.at is not None:
             # Both clocks are the same machine's or NTP-synced hosts'; a negative skew reads 0.
             self.metrics.notification_lag.observe(max(0.0, time.time() - notice.at))
-        self.on_wake(notice.user_id)
+        self.on_notice(notice, sender_pid in self.db.backend_pids)
 
     # -- connection lifecycle ---------------------------------------------------------------
 

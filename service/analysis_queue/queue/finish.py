@@ -82,16 +82,22 @@ class Finisher:
         self.followup = followup
         self.metrics = metrics
 
-    def _followed(self, result: Finish, trigger: Trigger = Trigger.TAIL) -> None:
-        if result.changed:
-            self.followup.after(
-                Decision(
-                    trigger,
-                    user_id=result.job.user_id,
-                    promoted=result.promoted,
-                    refunded=result.job if result.refunded else None,
-                )
+    def _followed(self, result: Finish) -> None:
+        if not result.changed:
+            return
+        # With the ceiling on, a job that left pending/running freed a global slot; unless this
+        # finish gave it to its user's next job, a pass gives it to whoever's turn it is.
+        freed = result.old_status in ACTIVE_STATUSES and not result.promoted
+        asks_pass = Trigger.TAIL if freed and self.followup.ceiling_on else None
+        self.followup.after(
+            Decision(
+                Trigger.TAIL,
+                user_id=result.job.user_id,
+                promoted=result.promoted,
+                refunded=result.job if result.refunded else None,
+                asks_pass=asks_pass,
             )
+        )
 
     async def apply_core_run(self, run: CoreRun, *, source: str = "callback") -> Applied:
         """Apply Core's report of a run's end (``source``: ``callback`` or ``poll``)."""

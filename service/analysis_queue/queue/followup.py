@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class Trigger(StrEnum):
     """Why a promotion happened: the label of ``aq_promotions_total``."""
 
-    TAIL = "tail"  # the transaction that freed the slot filled it (any finish, a cancel too)
+    TAIL = "tail"  # a finish (a cancel too) filled the slot it freed, or a pass it asked for did
     NOTIFY = "notify"  # a notification woke a promotion
     SWEEP = "sweep"  # the periodic fallback
     ADMIT = "admit"  # an admit started it (the ceiling on), or a pass it asked for did

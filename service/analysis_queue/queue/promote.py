@@ -3,12 +3,13 @@
 The decisions are the database's (sql/functions/promote.sql); this module decides *when* to ask,
 and folds requests that arrive while one is in flight into one more call:
 
-- **A wake-up** (``wake(user)``: a notification about one of the user's jobs, from any
-  instance). Wake-ups that arrive together go out as one call (``aq_promote_woken_v1``) that
-  reads without locks and only fills what the change left to fill: the usual notification (a
-  completion that already promoted its user's next job, an admit, a job starting) costs one
-  read. It also names the users' pending jobs that nobody is releasing. One call in flight per
-  instance; what arrives meanwhile forms the next.
+- **A wake-up** (``heard(notice)``: a notification that a job of the user left pending/running
+  or became pending, committed by another instance or writer: this instance's own decisions
+  were followed up where they were made). Wake-ups that arrive together go out
+  as one call (``aq_promote_woken_v1``) that reads without locks and only fills what the change
+  left to fill: the usual one (a completion that already promoted its user's next job) costs
+  one read. It also names the users' pending jobs that nobody is releasing. A few calls in
+  flight per instance at most (one with the ceiling on); what arrives meanwhile forms the next.
 - **A pass** (``pass_soon``, and ``run_pass`` for the sweep and the start): with the provider
   ceiling on, a freed global slot goes to whoever's turn it is. At most one in flight per
   instance, repeated while it fills whole batches or was asked for again meanwhile; it first
@@ -28,12 +29,13 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
 from analysis_queue import errors
-from analysis_queue.models import Job, Woken
+from analysis_queue.models import Job, JobNotice, Woken
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
 
 log = logging.getLogger(__name__)
 
 PASS_BATCH = 64  # promotions per pass transaction (it holds the chosen users' locks)
+WAKE_CONCURRENCY = 4  # wake-up calls in flight at once per instance
 
 
 class PromotionStore(Protocol):
@@ -55,7 +57,8 @@ class Promoter:
         self.ceiling: int | None = None  # as last seen by a promotion here
         self._sem = asyncio.Semaphore(concurrency)
         self._woken: set[str] = set()
-        self._waking = False
+        self._waking = 0  # wake-up calls in flight
+        self._wake_scheduled = False  # a call that has not yet taken the woken users
         self._pass_running = False
         self._pass_again = False
         self._pass_trigger = Trigger.NOTIFY
@@ -70,12 +73,27 @@ class Promoter:
 
     # -- requests (never block) -------------------------------------------------------------
 
+    def heard(self, notice: JobNotice, *, own: bool = False) -> None:
+        """A notification: a wake-up for its user if the change may have left work (a slot to
+        fill, a job to release); the others (admits, starts, waits) decided all they allow. A
+        change this instance committed (``own``) was followed up here already."""
+        if notice.may_leave_work and not own:
+            self.wake(notice.user_id)
+
     def wake(self, user_id: str) -> None:
-        """A job of ``user_id`` changed (a notification). Fills what the change left free."""
+        """Fill what a change of ``user_id``'s jobs left free; release their stranded jobs."""
         self._woken.add(user_id)
-        if not self._waking:
-            self._waking = True
-            self._spawn(self._wake_loop())
+        self._schedule_wake()
+
+    def _schedule_wake(self) -> None:
+        # The call takes the woken users when it starts, after every notification of the same
+        # read was handled: they go out together. With the ceiling on a wake-up that fills
+        # anything is a pass, and passes exclude each other on the global lock: one at a time.
+        limit = 1 if self.ceiling_on else WAKE_CONCURRENCY
+        if self._woken and not self._wake_scheduled and self._waking < limit:
+            self._wake_scheduled = True
+            self._waking += 1
+            self._spawn(self._wake_call())
 
     def pass_soon(self, trigger: Trigger, user_id: str | None = None) -> None:
         """Run a promotion pass; requests while one runs fold into one more."""
@@ -127,19 +145,19 @@ class Promoter:
         if jobs:
             self.followup.after(Decision(trigger, promoted=jobs))
 
-    async def _wake_loop(self) -> None:
+    async def _wake_call(self) -> None:
+        self._wake_scheduled = False
+        users, self._woken = sorted(self._woken), set()
         try:
-            while self._woken:
-                users, self._woken = sorted(self._woken), set()
-                try:
-                    await self._wake_once(users)
-                except errors.DatabaseUnavailable:
-                    # Lost: the sweep repairs what this wake-up would have done.
-                    log.warning("wake-up: database unavailable", extra={"action": "promote"})
-                except Exception:
-                    log.exception("wake-up failed", extra={"action": "promote"})
+            await self._wake_once(users)
+        except errors.DatabaseUnavailable:
+            # Lost: the sweep repairs what this wake-up would have done.
+            log.warning("wake-up: database unavailable", extra={"action": "promote"})
+        except Exception:
+            log.exception("wake-up failed", extra={"action": "promote"})
         finally:
-            self._waking = False
+            self._waking -= 1
+            self._schedule_wake()
 
     async def _wake_once(self, users: list[str]) -> None:
         async with self._sem:

@@ -42,6 +42,16 @@ def _job_or_none(row: Any) -> Job | None:
     return Job.from_row(row)
 
 
+async def _learn_row_types(conn: asyncpg.Connection[Any]) -> None:
+    """Have the driver learn the job row type and its array at connect: it asks the server about
+    a composite type the first time a result carries it, a round trip that would otherwise land
+    on some request's critical path once per connection. Skipped before the schema exists."""
+    try:
+        await conn.prepare("SELECT NULL::analysis_jobs AS job, NULL::analysis_jobs[] AS jobs")
+    except asyncpg.UndefinedObjectError:
+        pass
+
+
 def _jobs(rows: Any) -> tuple[Job, ...]:
     """An array of analysis_jobs rows (a composite array) as jobs."""
     return tuple(Job.from_row(r) for r in rows or ())
@@ -50,10 +60,19 @@ def _jobs(rows: Any) -> tuple[Job, ...]:
 class Database:
     """A pool and the queue's queries. ``await Database.connect(dsn)``; ``await db.close()``."""
 
-    def __init__(self, pool: asyncpg.Pool[Any], dsn: str, application_name: str) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool[Any],
+        dsn: str,
+        application_name: str,
+        backend_pids: set[int] | None = None,
+    ) -> None:
         self.pool = pool
         self.dsn = dsn
         self.application_name = application_name
+        # The server processes of this pool's open connections: a notification sent by one of
+        # them is a change this process committed (and followed up) itself.
+        self.backend_pids = backend_pids if backend_pids is not None else set()
         self._q = queries()
 
     @classmethod
@@ -65,18 +84,27 @@ class Database:
         max_size: int = 10,
         application_name: str = "analysis-queue",
     ) -> Database:
+        pids: set[int] = set()
+
+        async def init(conn: asyncpg.Connection[Any]) -> None:
+            await init_connection(conn)
+            await _learn_row_types(conn)
+            pid = conn.get_server_pid()
+            pids.add(pid)
+            conn.add_termination_listener(lambda _conn: pids.discard(pid))
+
         with wrap_errors():
             pool = await asyncpg.create_pool(
                 dsn,
                 min_size=min_size,
                 max_size=max_size,
-                init=init_connection,
+                init=init,
                 reset=keep_session,
                 server_settings=server_settings(application_name),
                 command_timeout=30,
                 max_inactive_connection_lifetime=300,
             )
-        return cls(pool, dsn, application_name)
+        return cls(pool, dsn, application_name, pids)
 
     async def close(self) -> None:
         try:

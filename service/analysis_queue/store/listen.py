@@ -13,7 +13,8 @@ from analysis_queue.store.driver import wrap_errors
 
 JOBS_CHANNEL = "aq_jobs_v1"
 
-NotifyCallback = Callable[[str], None]
+# (payload, the server process of the transaction that sent it)
+NotifyCallback = Callable[[str, int], None]
 
 
 class ListenConnection:
@@ -33,8 +34,8 @@ class ListenConnection:
     ) -> ListenConnection:
         lost = asyncio.Event()
 
-        def _on_notify(_c: Any, _pid: int, _channel: str, payload: object) -> None:
-            on_payload(str(payload))
+        def _on_notify(_c: Any, pid: int, _channel: str, payload: object) -> None:
+            on_payload(str(payload), pid)
 
         def _on_terminate(_c: Any) -> None:
             lost.set()

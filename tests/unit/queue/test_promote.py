@@ -14,9 +14,9 @@ from datetime import UTC, datetime
 from uuid import UUID
 
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import Job, JobStatus, Woken
+from analysis_queue.models import Job, JobNotice, JobStatus, Woken
 from analysis_queue.queue.followup import FollowUp, Trigger
-from analysis_queue.queue.promote import PASS_BATCH, Promoter
+from analysis_queue.queue.promote import PASS_BATCH, WAKE_CONCURRENCY, Promoter
 
 
 def _job(user: str = "someone", status: JobStatus = JobStatus.PENDING) -> Job:
@@ -187,3 +187,37 @@ async def test_a_limit_change_counts_its_promotions_and_asks_for_a_pass_with_the
         assert db.calls == calls
         assert len(dispatcher.submitted) == 2
         assert _promotions(metrics, Trigger.LIMIT) == 2
+
+
+async def test_only_changes_that_may_leave_work_wake_the_promoter() -> None:
+    db = RecordingDatabase(ceiling=None)
+    promoter, _, _ = _promoter(db)
+    for old, new in ((None, "queued"), ("pending", "running"), ("queued", "queued")):
+        promoter.heard(JobNotice(id=uuid.uuid4(), user_id="quiet", old=old, new=new))
+    promoter.heard(JobNotice(id=uuid.uuid4(), user_id="freed", old="running", new="succeeded"))
+    await _settle(promoter)
+    assert db.calls == [("woken", ["freed"])]
+
+
+async def test_a_change_this_instance_committed_does_not_wake_it_again() -> None:
+    db = RecordingDatabase(ceiling=None)
+    promoter, _, _ = _promoter(db)
+    freed = JobNotice(id=uuid.uuid4(), user_id="u", old="running", new="succeeded")
+    promoter.heard(freed, own=True)  # followed up where it was decided
+    await _settle(promoter)
+    assert db.calls == []
+
+
+async def test_wake_up_calls_in_flight_are_bounded() -> None:
+    db = RecordingDatabase(ceiling=None)
+    promoter, _, _ = _promoter(db)
+    db.gate.clear()
+    for n in range(WAKE_CONCURRENCY + 3):  # one loop turn each: each would be its own call
+        promoter.wake(f"user-{n}")
+        await asyncio.sleep(0)
+    assert len(db.calls) == WAKE_CONCURRENCY
+    db.gate.set()
+    await _settle(promoter)
+    woken = sorted(u for _, users in db.calls for u in users)
+    assert woken == sorted(f"user-{n}" for n in range(WAKE_CONCURRENCY + 3))
+    assert len(db.calls) == WAKE_CONCURRENCY + 1, "what waited went out together"
