@@ -6,8 +6,10 @@ import asyncio
 import itertools
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,40 @@ from analysis_queue.config import Settings
 from analysis_queue.core.sim import CoreSimulator
 from analysis_queue.http.auth import mint_token
 from analysis_queue.http.state import SERVICES, Services
+from analysis_queue.models import Job, JobStatus
 
 JWT_SECRET = "test-jwt-secret-0123456789abcdef0123"
 ADMIN_TOKEN = "test-admin-token"
 CALLBACK_SECRET = "test-callback-secret"
+
+
+def make_job(**overrides: Any) -> Job:
+    """A job as the database would return it: queued, first in its queue, unless told otherwise."""
+    values: dict[str, Any] = {
+        "id": uuid.uuid4(),
+        "user_id": "alice",
+        "run_id": uuid.uuid4(),
+        "core_run_id": "core-1",
+        "status": JobStatus.QUEUED,
+        "queue_seq": 7,
+        "delta_of_job_id": None,
+        "deleted_at": None,
+        "thesis": {"title": "T", "document_url": "https://uni.example/t.pdf"},
+        "sources": ["10.1000/x"],
+        "cost": 1,
+        "created_at": datetime(2030, 1, 1, tzinfo=UTC),
+        "promoted_at": None,
+        "started_at": None,
+        "finished_at": None,
+        "release_attempts": 0,
+        "next_release_at": None,
+        "error_code": None,
+        "error_detail": None,
+        "verdicts": None,
+        "queue_position": 1,
+    }
+    values.update(overrides)
+    return Job(**values)
 
 
 def free_port() -> int:

@@ -20,6 +20,7 @@ from analysis_queue.models import (
     JobStatus,
     WaitReason,
 )
+from support import make_job
 
 JOB_KEYS = {
     "id",
@@ -40,31 +41,7 @@ JOB_KEYS = {
 
 
 def _job(status: str, queue_position: int | None, **overrides: Any) -> Job:
-    values: dict[str, Any] = {
-        "id": uuid.uuid4(),
-        "user_id": "alice",
-        "run_id": uuid.uuid4(),
-        "core_run_id": "core-1",
-        "status": status,
-        "queue_seq": 7,
-        "delta_of_job_id": None,
-        "deleted_at": None,
-        "thesis": {"title": "T", "document_url": "https://uni.example/t.pdf"},
-        "sources": ["10.1000/x"],
-        "cost": 1,
-        "created_at": datetime(2030, 1, 1, tzinfo=UTC),
-        "promoted_at": None,
-        "started_at": None,
-        "finished_at": None,
-        "release_attempts": 0,
-        "next_release_at": None,
-        "error_code": None,
-        "error_detail": None,
-        "verdicts": None,
-        "queue_position": queue_position,
-    }
-    values.update(overrides)
-    return Job(**values)
+    return make_job(status=status, queue_position=queue_position, **overrides)
 
 
 @pytest.mark.parametrize(

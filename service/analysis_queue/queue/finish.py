@@ -15,11 +15,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any, Protocol
 from uuid import UUID
 
 from analysis_queue import errors
-from analysis_queue.core.client import CoreRun, RunState
+from analysis_queue.core.client import CoreClient, CoreRun, RunState
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import (
     ACTIVE_STATUSES,
@@ -28,6 +27,7 @@ from analysis_queue.models import (
     StaleReservation,
 )
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
+from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
 
@@ -48,34 +48,9 @@ class Applied(StrEnum):
     UNKNOWN_RUN = "unknown_run"
 
 
-class FinishStore(Protocol):
-    """The database calls finishing makes (``store/database.Database``)."""
-
-    async def finish(
-        self,
-        *,
-        job_id: UUID | None = None,
-        core_run_id: str | None = None,
-        user_id: str | None = None,
-        status: JobStatus | None,
-        from_statuses: Sequence[JobStatus] = (),
-        delete: bool = False,
-        error_code: str | None = None,
-        error_detail: str | None = None,
-        verdicts: list[dict[str, Any]] | None = None,
-        ran: bool = False,
-    ) -> Finish | None: ...
-
-    async def put_back_reservation(self, r: StaleReservation) -> None: ...
-
-
-class CoreCancel(Protocol):
-    async def cancel(self, core_run_id: str) -> None: ...
-
-
 class Finisher:
     def __init__(
-        self, db: FinishStore, core: CoreCancel, followup: FollowUp, metrics: Metrics
+        self, db: Database, core: CoreClient, followup: FollowUp, metrics: Metrics
     ) -> None:
         self.db = db
         self.core = core

@@ -4,40 +4,23 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
-from uuid import uuid4
 
 import orjson
 from analysis_queue.loops.hub import Frame, Subscription, encode, event_frame
 from analysis_queue.models import Job, JobEvent
+from support import make_job
 
 
 def _job(**overrides: object) -> Job:
-    now = datetime.now(UTC)
     values: dict[str, object] = {
-        "id": uuid4(),
         "user_id": "u",
-        "run_id": uuid4(),
-        "core_run_id": "core-1",
-        "status": "queued",
-        "queue_seq": 7,
-        "delta_of_job_id": None,
-        "deleted_at": None,
         "thesis": {"title": "Line one\nline two\r\u2028", "document_url": "https://x.example/t"},
         "sources": ["10.1000/a"],
-        "cost": 1,
-        "created_at": now,
-        "promoted_at": None,
-        "started_at": None,
-        "finished_at": None,
-        "release_attempts": 0,
-        "next_release_at": None,
-        "error_code": None,
-        "error_detail": None,
-        "verdicts": None,
+        "created_at": datetime.now(UTC),
         "queue_position": 2,
     }
     values.update(overrides)
-    return Job(**values)  # type: ignore[arg-type]
+    return make_job(**values)
 
 
 def _parse(frame: bytes) -> dict[str, str]:

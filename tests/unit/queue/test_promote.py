@@ -10,38 +10,17 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from uuid import UUID
 
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import Job, JobNotice, JobStatus, Woken
 from analysis_queue.queue.followup import FollowUp, Trigger
 from analysis_queue.queue.promote import PASS_BATCH, WAKE_CONCURRENCY, Promoter
+from support import make_job
 
 
-def _job(user: str = "someone", status: JobStatus = JobStatus.PENDING) -> Job:
-    return Job(
-        id=uuid.uuid4(),
-        user_id=user,
-        run_id=uuid.uuid4(),
-        core_run_id="core-1",
-        status=status,
-        queue_seq=1,
-        delta_of_job_id=None,
-        deleted_at=None,
-        thesis={},
-        sources=[],
-        cost=1,
-        created_at=datetime.now(UTC),
-        promoted_at=datetime.now(UTC),
-        started_at=None,
-        finished_at=None,
-        release_attempts=0,
-        next_release_at=None,
-        error_code=None,
-        error_detail=None,
-        verdicts=None,
-    )
+def _job(user: str = "someone") -> Job:
+    return make_job(user_id=user, status=JobStatus.PENDING, queue_position=None)
 
 
 class RecordingDatabase:
