@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+from importlib import metadata
 
 from aiohttp import web
 
@@ -88,6 +89,13 @@ def _demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(theses=args.theses, judge_time_s=args.judge_time))
 
 
+def _version() -> str:
+    try:
+        return metadata.version("analysis-queue")
+    except metadata.PackageNotFoundError:  # a bare checkout on sys.path, not installed
+        return "unknown"
+
+
 def _use_uvloop() -> None:
     """uvloop where it is installed (Linux, macOS): the same asyncio, markedly less CPU per
     request and per query, which is this service's limit (see docs/benchmarks.md)."""
@@ -100,6 +108,7 @@ def _use_uvloop() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="analysis-queue", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"analysis-queue {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the service (AQ_* settings)").set_defaults(fn=_serve)
     sub.add_parser("migrate", help="apply database migrations").set_defaults(fn=_migrate)

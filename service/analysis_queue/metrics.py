@@ -7,7 +7,16 @@ database at scrape time with queries that only touch the partial indexes of open
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -18,6 +27,11 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The process's own: CPU, memory, file descriptors, start time (process_*), the garbage
+        # collector (python_gc_*) and the interpreter (python_info). They read the process, so
+        # sharing the default collectors between several apps in one process is safe.
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
         self.jobs = Gauge("aq_jobs", "Open jobs by status", ["status"], registry=r)
         self.admits = Counter("aq_admits", "Admit requests by outcome", ["outcome"], registry=r)
         self.admit_seconds = Histogram(

@@ -141,3 +141,10 @@ async def test_metrics_show_open_jobs_and_promotions(harness: Harness) -> None:
         if line.startswith("aq_notification_lag_seconds_count")
     )
     assert lag_count >= 3  # three inserts and a promotion were heard
+    # The process's own: memory, file descriptors, the garbage collector.
+    for name in (
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "python_gc_collections_total",
+    ):
+        assert name in text, name
