@@ -1,10 +1,12 @@
 """Wiring: build the aiohttp application and own the lifecycle of everything it runs.
 
-Start order (``cleanup_ctx``): database (embedded server if no URL, migrations, pool) -> Core
-(client, or the in-process simulator) -> queue services (dispatcher, listener, sweep, event
-hub). Shutdown runs it backwards after aiohttp has stopped taking requests and waited for
-in-flight ones; open event streams are woken first (``on_shutdown``) so that wait is short.
-If a background loop dies, the instance reports it and stops instead of limping on.
+Start order (``cleanup_ctx``): database (the development server when ``embedded`` is asked for;
+waited for up to ``AQ_STARTUP_TIMEOUT_S``; migrations; the pool) -> Core (the client, or the
+in-process simulator when ``simulator`` is asked for) -> queue services (dispatcher, listener,
+sweep, event hub). Shutdown runs it backwards after aiohttp has stopped taking requests and
+waited for in-flight ones; open event streams are woken first (``on_shutdown``) so that wait is
+short. If a background loop dies, the instance reports it and stops instead of limping on; a
+start that cannot complete raises :class:`StartupError`, which says why in one line.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from analysis_queue.config import Settings
+from analysis_queue import errors
+from analysis_queue.config import (
+    EMBEDDED,
+    SIMULATOR,
+    Settings,
+    dsn_address,
+    missing_for_serve,
+    safe_dsn,
+)
 from analysis_queue.core.client import CoreClient
 from analysis_queue.core.sim import CoreSimulator
 from analysis_queue.http import dashboard, events, openapi, problems
@@ -33,18 +43,68 @@ from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.followup import FollowUp, Trigger
 from analysis_queue.queue.promote import Promoter
 from analysis_queue.store.database import Database
-from analysis_queue.store.embedded import start_embedded
+from analysis_queue.store.embedded import EmbeddedUnavailable, start_embedded
 from analysis_queue.store.migrate import apply_migrations
+from analysis_queue.store.sim_runs import PgRunStore
 
 log = logging.getLogger(__name__)
 
 CLIENT_MAX_SIZE = 1024 * 1024  # request bodies; a thesis is a URL, not the document
 
 
+STARTUP_RETRY_MAX_S = 2.0  # cap of the backoff between attempts to reach the database
+
+
+class StartupError(RuntimeError):
+    """The instance cannot start; the message says why and what to set."""
+
+
 async def resolve_dsn(settings: Settings) -> str:
-    if settings.database_url:
-        return settings.database_url
-    return await asyncio.to_thread(start_embedded, settings.data_dir)
+    if settings.database_url == EMBEDDED:
+        try:
+            return await asyncio.to_thread(start_embedded, settings.data_dir)
+        except EmbeddedUnavailable as exc:
+            raise StartupError(str(exc)) from exc
+    if not settings.database_url:
+        raise StartupError("AQ_DATABASE_URL is not set")
+    return settings.database_url
+
+
+async def open_database(settings: Settings, dsn: str) -> Database:
+    """Migrate and open the pool, waiting up to ``startup_timeout_s`` for a database that does
+    not answer yet (a container starting beside it, a restart), with each attempt logged."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.startup_timeout_s
+    delay, attempt = 0.2, 0
+    while True:
+        attempt += 1
+        try:
+            await apply_migrations(dsn)
+            return await Database.connect(
+                dsn,
+                min_size=settings.pool_min_size,
+                max_size=settings.pool_max_size,
+                application_name=f"analysis-queue {settings.instance_id}",
+            )
+        except errors.DatabaseUnavailable as exc:
+            cause = f"{type(exc.__cause__).__name__}: {exc.__cause__}" if exc.__cause__ else exc
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise StartupError(
+                    f"the database at {dsn_address(dsn)} (AQ_DATABASE_URL) did not answer "
+                    f"within {settings.startup_timeout_s:g} s: {cause}"
+                ) from exc
+            log.warning(
+                "database unreachable; trying again",
+                extra={
+                    "action": "start",
+                    "address": dsn_address(dsn),
+                    "attempt": attempt,
+                    "reason": str(cause),
+                },
+            )
+            await asyncio.sleep(min(delay, remaining))
+            delay = min(delay * 2, STARTUP_RETRY_MAX_S)
 
 
 def build_app(
@@ -52,8 +112,11 @@ def build_app(
     *,
     on_fatal: Callable[[str], None] | None = None,
 ) -> web.Application:
-    """The service as an aiohttp application. ``on_fatal`` is called if a loop dies."""
-    settings = settings.with_generated_secrets()
+    """The service as an aiohttp application. ``on_fatal`` is called if a loop dies. The
+    settings must be complete (``config.missing_for_serve``): nothing is generated here."""
+    missing = missing_for_serve(settings)
+    if missing:
+        raise StartupError(f"not set: {', '.join(missing)}")
     app = web.Application(
         middlewares=[api.request_id_middleware, problems.problem_middleware],
         client_max_size=CLIENT_MAX_SIZE,
@@ -65,20 +128,16 @@ def build_app(
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         dsn = await resolve_dsn(settings)
-        await apply_migrations(dsn)
-        db = await Database.connect(
-            dsn,
-            min_size=settings.pool_min_size,
-            max_size=settings.pool_max_size,
-            application_name=f"analysis-queue {settings.instance_id}",
-        )
+        db = await open_database(settings, dsn)
         simulator: CoreSimulator | None = None
-        core_url = settings.core_url
-        if not core_url:
+        core_url = settings.core_url or ""
+        if core_url == SIMULATOR:
             simulator = CoreSimulator(
                 callback_urls=[settings.callback_base_url.rstrip("/") + "/v1/core/events"],
-                callback_secret=settings.core_callback_secret,
+                callback_secret=settings.secret("core_callback_secret"),
                 judge_time_s=settings.sim_judge_time_s,
+                # Beside the jobs that wait for them: a restart keeps both.
+                store=PgRunStore(dsn),
             )
             core_url = await simulator.start()
         core = CoreClient(core_url, timeout_s=settings.core_timeout_s)
@@ -91,7 +150,13 @@ def build_app(
         services.events.start()
         log.info(
             "service started",
-            extra={"action": "start", "instance": settings.instance_id, "core_url": core_url},
+            extra={
+                "action": "start",
+                "instance": settings.instance_id,
+                "mode": settings.mode,
+                "database": safe_dsn(dsn),
+                "core": "the simulator (it invents verdicts)" if simulator else core_url,
+            },
         )
         try:
             yield
@@ -194,7 +259,7 @@ def _make_services(
         sweeper=sweeper,
         listener=listener,
         tokens=TokenCache(
-            settings.jwt_secret,
+            settings.secret("jwt_secret"),
             issuer=settings.jwt_issuer or None,
             audience=settings.jwt_audience or None,
         ),

@@ -1,21 +1,43 @@
 """Settings, read from the environment with the ``AQ_`` prefix (pydantic-settings).
 
-Every setting has a default that runs the whole service on a fresh machine: no database URL
-means an embedded PostgreSQL under ``DATA_DIR``, no Core URL means the Core simulator in-process,
-no secrets means secrets generated once and kept in ``DATA_DIR/secrets.json``.
+Production (``analysis-queue serve``) needs the database, Core and the three secrets set, and
+refuses to start without them (:func:`missing_for_serve`): a misspelled ``AQ_CORE_URL`` must not
+start a simulator that invents verdicts. Development (``analysis-queue dev``) asks for the
+stand-ins by name: ``AQ_DATABASE_URL=embedded`` (a PostgreSQL server under ``DATA_DIR``),
+``AQ_CORE_URL=simulator`` (the Core simulator in-process), and secrets generated once and kept in
+``DATA_DIR/secrets.json``. An ``AQ_`` variable that is not a setting stops every command
+(:func:`unknown_variables`), with the name it looks like.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import secrets
+from collections.abc import Iterator, Mapping
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SECRETS_FILE = "secrets.json"
+ENV_PREFIX = "AQ_"
+EMBEDDED = "embedded"  # AQ_DATABASE_URL: the development server under DATA_DIR
+SIMULATOR = "simulator"  # AQ_CORE_URL: the Core simulator, in-process
+SECRET_NAMES = ("jwt_secret", "admin_token", "core_callback_secret")
+# Read by the tests and the benchmark, never by the service.
+TOOLING_VARIABLES = frozenset({"AQ_TEST_DATABASE_URL", "AQ_BENCH_DATABASE_URL"})
+
+
+class Mode(StrEnum):
+    """How an instance was started (logged at start)."""
+
+    PRODUCTION = "production"  # serve: every dependency real and configured
+    DEVELOPMENT = "development"  # dev, demo: stand-ins asked for by name
 
 
 def default_data_dir() -> Path:
@@ -26,26 +48,29 @@ def default_data_dir() -> Path:
 class Settings(BaseSettings):
     """The service's configuration. Env: ``AQ_<NAME>``."""
 
-    model_config = SettingsConfigDict(env_prefix="AQ_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
     database_url: str | None = Field(
-        default=None, description="PostgreSQL DSN; unset starts an embedded server in DATA_DIR."
+        default=None,
+        description="PostgreSQL DSN; `embedded` for the development server in DATA_DIR.",
     )
     core_url: str | None = Field(
-        default=None, description="Base URL of Core; unset runs the Core simulator in-process."
+        default=None, description="Base URL of Core; `simulator` for the in-process simulator."
     )
-    core_callback_secret: str = Field(default="", description="HMAC secret of Core callbacks.")
+    core_callback_secret: SecretStr | None = Field(
+        default=None, description="HMAC secret of Core callbacks."
+    )
     public_url: str | None = Field(
         default=None, description="URL Core calls back; default http://HOST:PORT."
     )
-    jwt_secret: str = Field(default="", description="HS256 secret for user tokens.")
+    jwt_secret: SecretStr | None = Field(default=None, description="HS256 secret for user tokens.")
     jwt_issuer: str = Field(
         default="", description="When set, user tokens must carry this `iss` (and are minted so)."
     )
     jwt_audience: str = Field(
         default="", description="When set, user tokens must carry this `aud` (and are minted so)."
     )
-    admin_token: str = Field(default="", description="Bearer token of admin calls.")
+    admin_token: SecretStr | None = Field(default=None, description="Bearer token of admin calls.")
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     sweep_interval_s: float = Field(default=30.0, ge=0.0, description="0 disables the sweep.")
@@ -73,18 +98,18 @@ class Settings(BaseSettings):
     reservation_stale_s: float = Field(default=120.0, gt=0)
     listener_ping_s: float = Field(default=5.0, gt=0)
     shutdown_timeout_s: float = Field(default=10.0, gt=0)
+    startup_timeout_s: float = Field(
+        default=30.0, gt=0, description="How long a start waits for an unreachable database."
+    )
     core_timeout_s: float = Field(default=10.0, gt=0)
     sim_judge_time_s: float = Field(default=2.0, ge=0, description="Simulator judging time.")
     instance_id: str = Field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}")
     log_level: str = "INFO"
 
     def with_generated_secrets(self) -> Settings:
-        """Fill empty secrets from DATA_DIR/secrets.json, creating it on first use."""
-        missing = [
-            name
-            for name in ("jwt_secret", "admin_token", "core_callback_secret")
-            if not getattr(self, name)
-        ]
+        """Development only: fill empty secrets from DATA_DIR/secrets.json, creating it on first
+        use, so that a restart, ``token`` and ``token --admin`` agree with the running server."""
+        missing = [name for name in SECRET_NAMES if getattr(self, name) is None]
         if not missing:
             return self
         path = self.data_dir / SECRETS_FILE
@@ -105,8 +130,76 @@ class Settings(BaseSettings):
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(stored, indent=2))
             tmp.replace(path)
-        return self.model_copy(update={name: stored[name] for name in missing})
+        return self.model_copy(update={name: SecretStr(stored[name]) for name in missing})
+
+    def for_development(self) -> Settings:
+        """The development stand-ins for whatever is not set: the embedded database, the Core
+        simulator, generated secrets."""
+        update = {
+            "database_url": self.database_url or EMBEDDED,
+            "core_url": self.core_url or SIMULATOR,
+        }
+        return self.model_copy(update=update).with_generated_secrets()
+
+    def secret(self, name: str) -> str:
+        """A secret's value ("" when unset: it then verifies nothing)."""
+        value: SecretStr | None = getattr(self, name)
+        return value.get_secret_value() if value is not None else ""
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        # Secrets are SecretStr; a database URL may carry a password of its own.
+        for name, value in super().__repr_args__():
+            yield name, safe_dsn(value) if name == "database_url" and value else value
+
+    @property
+    def mode(self) -> Mode:
+        stand_in = self.database_url == EMBEDDED or self.core_url == SIMULATOR
+        return Mode.DEVELOPMENT if stand_in else Mode.PRODUCTION
 
     @property
     def callback_base_url(self) -> str:
         return self.public_url or f"http://{self.host}:{self.port}"
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def missing_for_serve(settings: Settings) -> list[str]:
+    """The variables ``serve`` cannot start without: the database, Core, the three secrets."""
+    required = ("database_url", "core_url", *SECRET_NAMES)
+    return [env_name(name) for name in required if not getattr(settings, name)]
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """``AQ_`` variables that are no setting (pydantic-settings would ignore them silently), each
+    with the setting it looks like: "AQ_DATABSE_URL: unknown setting; did you mean ...?"."""
+    known = {env_name(name) for name in Settings.model_fields}
+    problems = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known or upper in TOOLING_VARIABLES:
+            continue
+        guess = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {guess[0]}?" if guess else ""
+        problems.append(f"{name}: unknown setting{hint}")
+    return problems
+
+
+def safe_dsn(dsn: str) -> str:
+    """A database URL fit for a log line: the password removed."""
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    host = parts.hostname or ""
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def dsn_address(dsn: str) -> str:
+    """Where a database URL points, for messages: host:port (or the socket directory)."""
+    parts = urlsplit(dsn)
+    host = parts.hostname or parse_qs(parts.query).get("host", ["localhost"])[0]
+    return f"{host}:{parts.port or 5432}"

@@ -2,8 +2,10 @@
 
 A lecturer with five theses clicks "start analysis" five times. Every click is admitted at
 once (one pending, four queued); each next analysis starts the moment the previous one lands.
-It runs a real service in-process (embedded PostgreSQL unless AQ_DATABASE_URL is set, the Core
-simulator) and talks to it over HTTP like any client.
+It runs a real service in-process, with the Core simulator, and talks to it over HTTP like any
+client. Its jobs live in a database of their own, created for the run on the development server
+(or on AQ_DATABASE_URL's server) and dropped after it: a demo beside a running
+``analysis-queue dev`` shares that server and nothing else, so neither takes the other's jobs.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import aiohttp
 from aiohttp import web
 
 from analysis_queue import logs
-from analysis_queue.app import build_app
-from analysis_queue.config import Settings
+from analysis_queue.app import build_app, resolve_dsn
+from analysis_queue.config import SIMULATOR, Settings
 from analysis_queue.http.auth import mint_token
 from analysis_queue.http.state import SERVICES
+from analysis_queue.store.scratch import scratch_database
 
 POLL_S = 0.05
 
@@ -32,10 +35,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def run_demo(*, theses: int = 5, judge_time_s: float = 1.0) -> int:
+async def run_demo(settings: Settings, *, theses: int = 5, judge_time_s: float = 1.0) -> int:
+    """Replay the scenario; ``settings`` as ``dev`` takes them (stand-ins for what is unset)."""
     logs.configure("WARNING")
-    port = _free_port()
-    settings = Settings(port=port, sim_judge_time_s=judge_time_s).with_generated_secrets()
+    settings = settings.for_development()
+    async with scratch_database(await resolve_dsn(settings), "aq_demo") as dsn:
+        port = _free_port()
+        demo_settings = settings.model_copy(
+            update={
+                "database_url": dsn,
+                "core_url": SIMULATOR,  # the demo's own, whatever Core the environment names
+                "port": port,
+                "sim_judge_time_s": judge_time_s,
+                "instance_id": f"demo-{uuid.uuid4().hex[:6]}",
+            }
+        )
+        return await _replay(demo_settings, theses)
+
+
+async def _replay(settings: Settings, theses: int) -> int:
+    port = settings.port
     runner = web.AppRunner(build_app(settings), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -45,7 +64,7 @@ async def run_demo(*, theses: int = 5, judge_time_s: float = 1.0) -> int:
     await db.grant_credits(user, theses, "demo")
     token = mint_token(
         user,
-        settings.jwt_secret,
+        settings.secret("jwt_secret"),
         issuer=settings.jwt_issuer or None,
         audience=settings.jwt_audience or None,
     )
@@ -74,13 +93,14 @@ async def run_demo(*, theses: int = 5, judge_time_s: float = 1.0) -> int:
                 say(f"click {n}: {resp.status} admitted, {job['status']}{pos}")
             async with http.get("/v1/credits") as resp:
                 say(f"credits left: {(await resp.json())['balance']}")
-            await _watch(http, names, say)
+            ok = await _watch(http, names, say)
     finally:
         await runner.cleanup()
-    return 0
+    return 0 if ok else 1
 
 
-async def _watch(http: aiohttp.ClientSession, names: dict[str, str], say: Any) -> None:
+async def _watch(http: aiohttp.ClientSession, names: dict[str, str], say: Any) -> bool:
+    """Print each change until every analysis ended; whether they ran one at a time, in order."""
     seen: dict[str, str] = {}
     started_order: list[str] = []
     deadline = time.monotonic() + 60 + 10 * len(names)
@@ -103,6 +123,7 @@ async def _watch(http: aiohttp.ClientSession, names: dict[str, str], say: Any) -
                 "all analyses finished; they started "
                 + ("one at a time, in the order they were clicked." if in_order else "OUT OF ORDER")
             )
-            return
+            return in_order
         await asyncio.sleep(POLL_S)
     say("timed out waiting for the analyses to finish")
+    return False

@@ -93,25 +93,13 @@ async def _jobs(http: aiohttp.ClientSession, base: str, token: str) -> list[dict
         return list((await r.json())["analyses"])
 
 
-async def test_serve_with_embedded_defaults(
-    tmp_path: Path, procs: list[Proc], http: aiohttp.ClientSession
-) -> None:
-    """What README's first command does: no database URL, no Core URL, no secrets."""
-    port = free_port()
-    env = _env(AQ_DATA_DIR=str(tmp_path / "data"), AQ_PORT=str(port), AQ_SIM_JUDGE_TIME_S="0.1")
-    server = Proc("serve", _cli("serve"), env, tmp_path)
-    procs.append(server)
-    base = f"http://127.0.0.1:{port}"
-    await _ready(http, base, server, timeout_s=90)
-
+async def _admit_three(http: aiohttp.ClientSession, base: str, env: dict[str, str]) -> str:
+    """Grant credits with the CLI, as the banner says, and click three times; the user's token."""
+    granted = subprocess.run(
+        _cli("grant", "lecturer", "3"), env=env, capture_output=True, text=True, timeout=30
+    )
+    assert granted.returncode == 0, granted.stderr
     token = subprocess.check_output(_cli("token", "lecturer"), env=env, text=True).strip()
-    admin = subprocess.check_output(_cli("token", "--admin"), env=env, text=True).strip()
-    async with http.post(
-        f"{base}/v1/admin/credits",
-        json={"user_id": "lecturer", "amount": 3},
-        headers={"Authorization": f"Bearer {admin}"},
-    ) as r:
-        assert r.status == 200, await r.text()
     auth = {"Authorization": f"Bearer {token}"}
     statuses = []
     for n in range(3):
@@ -119,12 +107,51 @@ async def test_serve_with_embedded_defaults(
             assert r.status == 201, await r.text()
             statuses.append((await r.json())["status"])
     assert statuses == ["pending", "queued", "queued"]
+    return token
+
+
+async def test_dev_mode_survives_a_restart_and_a_demo_beside_it(
+    tmp_path: Path, procs: list[Proc], http: aiohttp.ClientSession
+) -> None:
+    """What README's first command does (`make run` is `analysis-queue dev`), with nothing set:
+    the embedded database, the simulator, generated secrets. Its first lines say where the
+    dashboard is and how to sign in; a demo beside it takes none of its jobs; a Ctrl-C and a
+    new start finish what was admitted (the simulator's held runs are in the database)."""
+    port = free_port()
+    env = _env(AQ_DATA_DIR=str(tmp_path / "data"), AQ_PORT=str(port), AQ_SIM_JUDGE_TIME_S="1.5")
+    base = f"http://127.0.0.1:{port}"
+    dev = Proc("dev", _cli("dev"), env, tmp_path)
+    procs.append(dev)
+    await _ready(http, base, dev, timeout_s=90)
+    first = dev.tail().splitlines()
+    assert first[0].startswith("analysis-queue ") and "development mode" in first[0], first
+    assert f"dashboard:  {base}/" in first[1], first
+    assert "token lecturer" in first[2] and "grant lecturer" in first[3], first
+    token = await _admit_three(http, base, env)
+
+    demo = subprocess.run(
+        _cli("demo", "--theses", "3", "--judge-time", "0.2"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "one at a time, in the order they were clicked" in demo.stdout, demo.stdout
+    assert "failed" not in demo.stdout, demo.stdout
+
+    # Ctrl-C while two of the three wait behind held runs, then start again.
+    assert [j["status"] for j in await _jobs(http, base, token)].count("queued") >= 1
+    assert dev.stop(signal.SIGINT) == 0, dev.tail()
+    again = Proc("dev-again", _cli("dev"), env, tmp_path)
+    procs.append(again)
+    await _ready(http, base, again, timeout_s=90)
 
     async def all_succeeded() -> bool:
         return [j["status"] for j in await _jobs(http, base, token)] == ["succeeded"] * 3
 
-    await wait_for(all_succeeded, timeout_s=30, what="three analyses on the embedded server")
-    assert server.stop(signal.SIGTERM) == 0, server.tail()
+    await wait_for(all_succeeded, timeout_s=30, what="the three analyses after the restart")
+    assert again.stop(signal.SIGTERM) == 0, again.tail()
 
 
 async def test_two_processes_share_one_database(

@@ -1,4 +1,9 @@
-"""An honest Core simulator: the real Core HTTP contract, real sockets, injectable faults."""
+"""An honest Core simulator: the real Core HTTP contract, real sockets, injectable faults.
+
+Its runs live in memory, or, given a :class:`RunStore` (development: ``store/sim_runs.py``), in
+a database too, so that a restart finds every run it created: held runs can still be released,
+and runs that were judging go on judging for what was left of their time.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import signal
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import orjson
@@ -65,6 +70,16 @@ class _SimRun:
 
     def view(self) -> dict[str, Any]:
         return {"id": self.id, "state": self.state, "verdicts": self.verdicts, "error": self.error}
+
+
+class RunStore(Protocol):
+    """Where the simulator keeps its runs beyond its memory."""
+
+    async def load(self) -> list[dict[str, Any]]: ...
+
+    async def save(self, run: dict[str, Any]) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class _BadRequest(Exception):
@@ -212,7 +227,8 @@ def _parse_create(raw: bytes) -> dict[str, Any]:
 
 
 class CoreSimulator:
-    """Core's HTTP API over a real socket, with runs in memory and faults to inject."""
+    """Core's HTTP API over a real socket, with runs in memory (and ``store``) and faults to
+    inject."""
 
     def __init__(
         self,
@@ -220,8 +236,10 @@ class CoreSimulator:
         callback_urls: list[str] | None = None,
         callback_secret: str = "",
         judge_time_s: float = JUDGE_TIME_S,
+        store: RunStore | None = None,
     ) -> None:
         self.faults = SimFaults()
+        self._store = store
         self.judge_time_s = judge_time_s
         self.callback_urls: list[str] = list(callback_urls or [])
         self._callback_secret = callback_secret
@@ -268,6 +286,8 @@ class CoreSimulator:
         if self._runner is not None:
             return self.base_url
         self._session = ClientSession(timeout=ClientTimeout(total=CALLBACK_TIMEOUT_S))
+        if self._store is not None:
+            self._restore(await self._store.load())
         self._runner = web.AppRunner(self._app, access_log=None)
         await self._runner.setup()
         self._host = host
@@ -275,6 +295,35 @@ class CoreSimulator:
         await self._open_site()
         log.info("core simulator listening", extra={"action": "sim_start", "url": self.base_url})
         return self.base_url
+
+    def _restore(self, runs: list[dict[str, Any]]) -> None:
+        """Take back the runs the store kept; a run that was judging goes on for what was left
+        of its judging time (none, if that passed while the simulator was down)."""
+        now = time.time()
+        for values in runs:
+            run = _SimRun(**values)
+            self._runs[run.id] = run
+            self._core_id_by_run_id[run.run_id] = run.id
+            if run.state == "judging":
+                left = max(0.0, (run.released_at or now) + self.judge_time_s - now)
+                self._judging[run.id] = asyncio.create_task(
+                    self._judge(run, left), name=f"judge-{run.id}"
+                )
+        log.info(
+            "core simulator restored its runs",
+            extra={"action": "sim_start", "runs": len(runs), "judging": len(self._judging)},
+        )
+
+    async def _save(self, run: _SimRun) -> None:
+        if self._store is None:
+            return
+        try:
+            await self._store.save(asdict(run))
+        except Exception as exc:  # development only: go on in memory, say so
+            log.warning(
+                "core simulator could not keep a run",
+                extra={"action": "sim_store", "run_id": run.run_id, "reason": str(exc)},
+            )
 
     async def _open_site(self) -> None:
         assert self._runner is not None
@@ -297,6 +346,8 @@ class CoreSimulator:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+        if self._store is not None:
+            await self._store.close()
 
     async def go_offline(self) -> None:
         """Refuse connections (listening socket closed, live ones dropped); keep all state."""
@@ -363,6 +414,7 @@ class CoreSimulator:
         self._core_id_by_run_id[run.run_id] = run.id
         if not spec["hold"]:
             self._start_judging(run)
+        await self._save(run)
         return _json({"id": run.id, "state": run.state}, 201)
 
     def _lookup(self, request: web.Request) -> _SimRun | None:
@@ -376,6 +428,7 @@ class CoreSimulator:
             return _json({"code": "not_found"}, 404)
         if run.state == "held":
             self._start_judging(run)
+            await self._save(run)
         elif run.state != "judging":
             return _json({"code": "run_not_held", "state": run.state}, 409)
         return _json({"state": run.state})
@@ -390,6 +443,7 @@ class CoreSimulator:
                 task.cancel()
             run.state = "cancelled"
             run.finished_at = time.time()
+            await self._save(run)
         return _json({"state": run.state})
 
     async def _handle_get(self, request: web.Request) -> web.Response:
@@ -440,7 +494,7 @@ class CoreSimulator:
         task = self._judging.pop(run.id, None)
         if task is not None:
             task.cancel()
-        self._finish(run, state, str(error) if error is not None else FAILED_RUN_ERROR)
+        await self._finish(run, state, str(error) if error is not None else FAILED_RUN_ERROR)
         return _json(run.view())
 
     # --- judging and callbacks -------------------------------------------------------------
@@ -448,16 +502,18 @@ class CoreSimulator:
     def _start_judging(self, run: _SimRun) -> None:
         run.state = "judging"
         run.released_at = time.time()
-        self._judging[run.id] = asyncio.create_task(self._judge(run), name=f"judge-{run.id}")
+        self._judging[run.id] = asyncio.create_task(
+            self._judge(run, self.judge_time_s), name=f"judge-{run.id}"
+        )
         self.max_judging = max(self.max_judging, len(self._judging))
 
-    async def _judge(self, run: _SimRun) -> None:
-        await asyncio.sleep(self.judge_time_s)
+    async def _judge(self, run: _SimRun, seconds: float) -> None:
+        await asyncio.sleep(seconds)
         self._judging.pop(run.id, None)
         state = "failed" if self.faults.fail_runs else "completed"
-        self._finish(run, state, FAILED_RUN_ERROR)
+        await self._finish(run, state, FAILED_RUN_ERROR)
 
-    def _finish(self, run: _SimRun, state: str, error: str) -> None:
+    async def _finish(self, run: _SimRun, state: str, error: str) -> None:
         run.state = state
         run.finished_at = time.time()
         if state == "completed":
@@ -469,6 +525,7 @@ class CoreSimulator:
             "core run ended",
             extra={"action": "sim_run_end", "run_id": run.run_id, "status": state},
         )
+        await self._save(run)
         if self.faults.drop_callbacks:
             return
         copies = 2 if self.faults.duplicate_callbacks else 1
@@ -527,10 +584,18 @@ class CoreSimulator:
 
 
 async def _serve(
-    host: str, port: int, callback_urls: list[str], callback_secret: str, judge_time_s: float
+    host: str,
+    port: int,
+    callback_urls: list[str],
+    callback_secret: str,
+    judge_time_s: float,
+    store: RunStore | None,
 ) -> None:
     sim = CoreSimulator(
-        callback_urls=callback_urls, callback_secret=callback_secret, judge_time_s=judge_time_s
+        callback_urls=callback_urls,
+        callback_secret=callback_secret,
+        judge_time_s=judge_time_s,
+        store=store,
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -547,7 +612,12 @@ async def _serve(
 
 
 def run_standalone(
-    host: str, port: int, callback_urls: list[str], callback_secret: str, judge_time_s: float
+    host: str,
+    port: int,
+    callback_urls: list[str],
+    callback_secret: str,
+    judge_time_s: float,
+    store: RunStore | None = None,
 ) -> None:
     """Serve the simulator until SIGINT or SIGTERM."""
-    asyncio.run(_serve(host, port, callback_urls, callback_secret, judge_time_s))
+    asyncio.run(_serve(host, port, callback_urls, callback_secret, judge_time_s, store))

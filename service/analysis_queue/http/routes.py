@@ -54,6 +54,12 @@ def _services(request: web.Request) -> Services:
     return request.app[SERVICES]
 
 
+def _admin(request: web.Request) -> None:
+    """Unauthorized unless the caller presents the admin token."""
+    secret = _services(request).settings.secret("admin_token")
+    require_admin(request.headers.get("Authorization"), secret)
+
+
 def _user(request: web.Request) -> str:
     return _services(request).tokens.user(request.headers.get("Authorization"))
 
@@ -188,7 +194,7 @@ async def get_credits(request: web.Request) -> web.Response:
 @routes.post("/v1/admin/credits")
 async def grant_credits(request: web.Request) -> web.Response:
     services = _services(request)
-    require_admin(request.headers.get("Authorization"), services.settings.admin_token)
+    _admin(request)
     body = await _body(request, CreditGrant)
     balance = await services.db.grant_credits(body.user_id, body.amount, body.note)
     log.info(
@@ -203,7 +209,7 @@ async def grant_credits(request: web.Request) -> web.Response:
 @routes.get("/v1/admin/capacity")
 async def get_capacity(request: web.Request) -> web.Response:
     services = _services(request)
-    require_admin(request.headers.get("Authorization"), services.settings.admin_token)
+    _admin(request)
     return json_response((await services.db.capacity()).to_json())
 
 
@@ -217,14 +223,14 @@ def _limit_user(request: web.Request) -> str:
 @routes.get("/v1/admin/users/{user_id}/limit")
 async def get_user_limit(request: web.Request) -> web.Response:
     services = _services(request)
-    require_admin(request.headers.get("Authorization"), services.settings.admin_token)
+    _admin(request)
     return json_response((await services.db.user_limit(_limit_user(request))).to_json())
 
 
 @routes.put("/v1/admin/users/{user_id}/limit")
 async def set_user_limit(request: web.Request) -> web.Response:
     services = _services(request)
-    require_admin(request.headers.get("Authorization"), services.settings.admin_token)
+    _admin(request)
     user_id = _limit_user(request)
     body = await _body(request, UserLimitRequest)
     await services.promoter.set_user_limit(user_id, body.max_running)
@@ -243,7 +249,7 @@ async def core_event(request: web.Request) -> web.Response:
     services = _services(request)
     raw = await request.read()
     if not verify_callback(
-        services.settings.core_callback_secret,
+        services.settings.secret("core_callback_secret"),
         request.headers.get("X-Core-Timestamp"),
         request.headers.get("X-Core-Signature"),
         raw,

@@ -30,7 +30,13 @@ from analysis_queue.models import (
     Woken,
 )
 from analysis_queue.store import migrate
-from analysis_queue.store.driver import init_connection, keep_session, server_settings, wrap_errors
+from analysis_queue.store.driver import (
+    CONNECT_TIMEOUT_S,
+    init_connection,
+    keep_session,
+    server_settings,
+    wrap_errors,
+)
 from analysis_queue.store.sqlfiles import queries
 
 log = logging.getLogger(__name__)
@@ -102,6 +108,7 @@ class Database:
                 reset=keep_session,
                 server_settings=server_settings(application_name),
                 command_timeout=30,
+                timeout=CONNECT_TIMEOUT_S,
                 max_inactive_connection_lifetime=300,
             )
         return cls(pool, dsn, application_name, pids)

@@ -19,6 +19,7 @@ from analysis_queue import errors
 log = logging.getLogger(__name__)
 
 LOCK_TIMEOUT_MS = 10_000
+CONNECT_TIMEOUT_S = 5.0  # a host that drops packets must not hold a start for a minute
 
 # Errors that mean "the database is not there right now": a retry or a 503, never a 500.
 _UNAVAILABLE = (

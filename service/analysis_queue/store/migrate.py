@@ -27,7 +27,7 @@ from typing import Any
 
 import asyncpg
 
-from analysis_queue.store.driver import wrap_errors
+from analysis_queue.store.driver import CONNECT_TIMEOUT_S, wrap_errors
 from analysis_queue.store.sqlfiles import Migration, Repeatable, migrations, repeatables
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,9 @@ async def _apply_repeatable(conn: asyncpg.Connection[Any], repeatable: Repeatabl
 async def apply_migrations(dsn: str) -> list[int]:
     """Bring the database to this code's schema; returns the numbered versions applied."""
     with wrap_errors():
-        conn = await asyncpg.connect(dsn, server_settings={"application_name": "aq-migrate"})
+        conn = await asyncpg.connect(
+            dsn, timeout=CONNECT_TIMEOUT_S, server_settings={"application_name": "aq-migrate"}
+        )
     try:
         with wrap_errors():
             await conn.execute(_LOCK_SQL)

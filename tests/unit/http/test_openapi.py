@@ -24,6 +24,7 @@ def _app(tmp_path: Path) -> web.Application:
         admin_token="admin",
         core_callback_secret="callback",
         database_url="postgresql://unused/unused",
+        core_url="http://unused.invalid",
         data_dir=tmp_path,
     )
     return build_app(settings)

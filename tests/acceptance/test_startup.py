@@ -1,0 +1,106 @@
+"""How a ``serve`` process fails: at once, with a non-zero exit status, in a few lines that name
+the setting or the host, never a traceback; so that a supervisor (``restart: on-failure``,
+systemd's ``Restart=on-failure``) restarts it and an operator can read why."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from procs import SECRETS, base_env, cli
+from support import fetch, free_port
+
+pytestmark = pytest.mark.acceptance
+
+EXIT_FAILED = 1
+EXIT_CONFIG = 78
+
+
+def _run(args: list[str], env: dict[str, str], timeout_s: float = 60) -> tuple[int, str, float]:
+    started = time.monotonic()
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - started
+
+
+def _complete(tmp: Path, **values: str) -> dict[str, str]:
+    """Every setting serve needs, Core at a port nobody listens on (it is not called at start)."""
+    return base_env(
+        tmp,
+        AQ_CORE_URL=f"http://127.0.0.1:{free_port()}",
+        AQ_PORT=str(free_port()),
+        **values,
+    )
+
+
+def test_serve_without_settings_names_each_missing_one(tmp_path: Path) -> None:
+    env = {k: v for k, v in base_env(tmp_path).items() if k not in SECRETS}
+    code, out, took = _run(cli("serve"), env)
+    assert code == EXIT_CONFIG, out
+    for name in ("AQ_DATABASE_URL", "AQ_CORE_URL", *SECRETS):
+        assert f"{name}: not set" in out, out
+    assert "Traceback" not in out and took < 20
+
+
+def test_a_misspelled_setting_stops_the_start(tmp_path: Path, database_url: str) -> None:
+    env = _complete(tmp_path, AQ_DATABASE_URL=database_url, AQ_CORE_URLL="http://core")
+    code, out, _ = _run(cli("serve"), env)
+    assert code == EXIT_CONFIG, out
+    assert "AQ_CORE_URLL: unknown setting; did you mean AQ_CORE_URL?" in out, out
+    assert "Traceback" not in out
+
+
+def test_an_unreachable_database_ends_the_start_after_its_bound(tmp_path: Path) -> None:
+    port = free_port()  # nobody listens there
+    env = _complete(
+        tmp_path,
+        AQ_DATABASE_URL=f"postgresql://postgres:pw@127.0.0.1:{port}/aq",
+        AQ_STARTUP_TIMEOUT_S="1.5",
+    )
+    code, out, took = _run(cli("serve"), env)
+    assert code == EXIT_FAILED, out
+    assert f"127.0.0.1:{port}" in out and "AQ_DATABASE_URL" in out, out
+    assert "within 1.5 s" in out, out
+    assert '"attempt":' in out, "each attempt is logged"
+    assert "pw@" not in out, "the password stays out of the logs"
+    assert "Traceback" not in out, out
+    assert 1.5 <= took < 30, took
+
+
+async def test_a_failed_migration_ends_the_start(tmp_path: Path, database_url: str) -> None:
+    await fetch(
+        database_url, "UPDATE aq_schema_migrations SET checksum = 'edited' WHERE version = 11"
+    )
+    code, out, _ = _run(cli("serve"), _complete(tmp_path, AQ_DATABASE_URL=database_url))
+    assert code == EXIT_FAILED, out
+    assert "cannot start" in out and "11" in out, out
+    assert "Traceback" not in out, out
+    code, out, _ = _run(cli("migrate"), _complete(tmp_path, AQ_DATABASE_URL=database_url))
+    assert code == EXIT_FAILED and "cannot migrate" in out, out
+
+
+# A bug in a background loop, as a real process meets it: the sweep's pass raises past its
+# own error handling. The process must not go on half-working.
+_BROKEN_SWEEP = """
+import sys
+from analysis_queue.loops.sweep import Sweeper
+
+async def broken(self):
+    raise RuntimeError("a bug in the sweep")
+
+Sweeper.run_once = broken
+from analysis_queue.cli import main
+sys.exit(main(["serve"]))
+"""
+
+
+def test_a_dead_background_loop_ends_the_process_non_zero(
+    tmp_path: Path, database_url: str
+) -> None:
+    env = _complete(tmp_path, AQ_DATABASE_URL=database_url, AQ_SWEEP_INTERVAL_S="0.2")
+    code, out, _ = _run([sys.executable, "-c", _BROKEN_SWEEP], env)
+    assert code == EXIT_FAILED, out
+    assert "background loop died" in out and "a bug in the sweep" in out, out
+    assert '"loops":["sweeper"]' in out, out
