@@ -93,17 +93,24 @@ SELECT j.*,
   FROM analysis_jobs j
  WHERE j.id = $1 AND j.user_id = $2 AND j.deleted_at IS NULL;
 
--- job_list --
--- A user's jobs, newest first, deleted ones hidden, with queue positions: $1 user, $2 limit.
-SELECT j.*,
-       CASE WHEN j.status = 'queued' AND j.delta_of_job_id IS NULL THEN
-           row_number() OVER (PARTITION BY j.status = 'queued' AND j.delta_of_job_id IS NULL
-                              ORDER BY j.queue_seq)
-       END AS queue_position
-  FROM analysis_jobs j
- WHERE j.user_id = $1 AND j.deleted_at IS NULL
- ORDER BY j.queue_seq DESC
- LIMIT $2;
+-- job_list_page --
+-- A page of a user's jobs as summaries, newest first, deleted ones hidden, with queue
+-- positions: $1 user, $2 only jobs admitted before this queue_seq (NULL: from the newest), $3 at
+-- most this many. A keyset on queue_seq, which each admit draws under its user's lock: a job
+-- admitted meanwhile sorts before the first page and never shifts a later one.
+WITH page AS (
+    SELECT s.*
+      FROM aq_job_summaries_v1 s
+     WHERE s.user_id = $1 AND s.deleted_at IS NULL AND ($2::bigint IS NULL OR s.queue_seq < $2)
+     ORDER BY s.queue_seq DESC
+     LIMIT $3)
+SELECT page.*, p.queue_position
+  FROM page
+  LEFT JOIN (SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
+               FROM analysis_jobs q
+              WHERE q.user_id = $1 AND q.status = 'queued'
+                AND q.delta_of_job_id IS NULL) p ON p.id = page.id
+ ORDER BY page.queue_seq DESC;
 
 -- jobs_claim --
 -- Claim pending jobs for release, so that only one instance releases each: $1 job ids,
@@ -249,20 +256,31 @@ UPDATE core_run_reservations SET idempotency_key = NULL, request_hash = NULL WHE
 -- The id of a user's latest event (0 if none): $1 user.
 SELECT coalesce((SELECT last_id FROM job_event_counters WHERE user_id = $1), 0) AS last_id;
 
--- job_event_list_after --
--- A user's events after an event id, oldest first, each with its job as it is now and, when
--- queued, its position: $1 user, $2 after this event id, $3 limit. The job columns are NULL
--- if the job row is gone.
-SELECT e.event_id, e.kind, e.created_at AS event_at, j.*, p.queue_position
-  FROM job_events e
-  LEFT JOIN analysis_jobs j ON j.id = e.job_id
+-- job_event_page --
+-- A page of a user's events after an event id, oldest first, each with its job's summary as it
+-- is now (NULL if the row is gone) and, when queued, its position: $1 user, $2 after this event
+-- id, $3 at most this many events, $4 and about this many bytes of summaries. The first event
+-- comes whatever it weighs, so a page always makes progress; ``more`` on every row says whether
+-- events after the page may be waiting (the page was cut by count or by bytes).
+WITH page AS (
+    SELECT e.event_id, e.kind, e.created_at AS event_at, s.*,
+           sum(coalesce(s.summary_bytes, 64)) OVER (ORDER BY e.event_id) AS bytes_through,
+           coalesce(s.summary_bytes, 64) AS own_bytes
+      FROM job_events e
+      LEFT JOIN aq_job_summaries_v1 s ON s.id = e.job_id
+     WHERE e.user_id = $1 AND e.event_id > $2
+     ORDER BY e.event_id
+     LIMIT $3)
+SELECT page.*, p.queue_position,
+       (SELECT count(*) FROM page) = $3
+           OR EXISTS (SELECT 1 FROM page c WHERE c.bytes_through - c.own_bytes >= $4) AS more
+  FROM page
   LEFT JOIN (SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
                FROM analysis_jobs q
               WHERE q.user_id = $1 AND q.status = 'queued'
-                AND q.delta_of_job_id IS NULL) p ON p.id = e.job_id
- WHERE e.user_id = $1 AND e.event_id > $2
- ORDER BY e.event_id
- LIMIT $3;
+                AND q.delta_of_job_id IS NULL) p ON p.id = page.id
+ WHERE page.bytes_through - page.own_bytes < $4
+ ORDER BY page.event_id;
 
 -- job_event_prune --
 -- Delete events older than $1 seconds, oldest first, at most $2. -> deleted
@@ -278,9 +296,9 @@ WITH old AS (
 )
 SELECT count(*) AS deleted FROM gone;
 
--- job_list_queued --
--- A user's queued first-pass jobs in queue order, with their positions: $1 user.
-SELECT j.*, row_number() OVER (ORDER BY j.queue_seq) AS queue_position
-  FROM analysis_jobs j
- WHERE j.user_id = $1 AND j.status = 'queued' AND j.delta_of_job_id IS NULL
- ORDER BY j.queue_seq;
+-- job_queue_positions --
+-- Where each of a user's queued first-pass jobs stands (1 = next), in queue order: $1 user.
+SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
+  FROM analysis_jobs q
+ WHERE q.user_id = $1 AND q.status = 'queued' AND q.delta_of_job_id IS NULL
+ ORDER BY q.queue_seq;

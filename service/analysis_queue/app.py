@@ -252,6 +252,7 @@ def _make_services(
             metrics,
             analysis_cost=settings.analysis_cost,
             recheck_cost=settings.recheck_cost,
+            job_max_bytes=settings.job_max_bytes,
         ),
         finisher=finisher,
         dispatcher=dispatcher,

@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     )
     analysis_cost: int = Field(default=1, ge=0)
     recheck_cost: int = Field(default=0, ge=0)
+    job_max_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=1024 * 1024,
+        description="What one job may store, thesis and sources together (UTF-8 JSON bytes).",
+    )
     data_dir: Path = Field(default_factory=default_data_dir)
 
     # Tuning knobs; the defaults are what production wants.

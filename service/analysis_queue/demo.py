@@ -114,7 +114,7 @@ async def _watch(http: aiohttp.ClientSession, names: dict[str, str], say: Any) -
                     started_order.append(job["id"])
                 extra = ""
                 if job["status"] == "succeeded":
-                    extra = f" with {len(job['verdicts'] or [])} verdicts"
+                    extra = f" with {sum((job['verdict_counts'] or {}).values())} verdicts"
                 say(f"{names.get(job['id'], job['id'])}: {job['status']}{extra}")
         counts = {s: list(seen.values()).count(s) for s in set(seen.values())}
         if counts.get("succeeded", 0) + counts.get("failed", 0) == len(names):

@@ -15,10 +15,17 @@ class AppError(Exception):
     """The service could not complete the request."""
 
     code: ClassVar[str] = "internal_error"
+    # Seconds after which a retry may succeed, for a condition that passes (a 503, a 429);
+    # None for an answer that a retry does not change.
+    retry_after_s: int | None = None
 
-    def __init__(self, detail: str | None = None, **extra: Any) -> None:
+    def __init__(
+        self, detail: str | None = None, *, retry_after_s: int | None = None, **extra: Any
+    ) -> None:
         self.detail = detail or (type(self).__doc__ or "").strip()
         self.extra = extra
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
         super().__init__(self.detail)
 
     @property
@@ -89,6 +96,12 @@ class PayloadTooLarge(AppError):
     code = "payload_too_large"
 
 
+class JobTooLarge(PayloadTooLarge):
+    """The analysis is larger than one job may store."""
+
+    code = "job_too_large"
+
+
 class UnsupportedMediaType(AppError):
     """The request body must be application/json."""
 
@@ -105,6 +118,12 @@ class BadRequest(AppError):
     """The request cannot be handled as sent."""
 
     code = "bad_request"
+
+
+class InvalidParameter(BadRequest):
+    """A query parameter is invalid."""
+
+    code = "invalid_parameter"
 
 
 class InsufficientCredits(AppError):
@@ -147,6 +166,7 @@ class CoreUnavailable(AppError):
     """The analysis engine is unreachable right now; try again shortly."""
 
     code = "core_unavailable"
+    retry_after_s = 2
 
 
 class CoreRunGone(AppError):
@@ -159,9 +179,18 @@ class DatabaseUnavailable(AppError):
     """The database is unreachable right now; try again shortly."""
 
     code = "database_unavailable"
+    retry_after_s = 1
 
 
 class ShuttingDown(AppError):
     """This instance is shutting down; retry against another one."""
 
     code = "shutting_down"
+    retry_after_s = 1
+
+
+class TooManyStreams(AppError):
+    """Too many event streams are open; close one, or try again later."""
+
+    code = "too_many_streams"
+    retry_after_s = 5

@@ -143,26 +143,111 @@ class Job:
     def is_first_pass(self) -> bool:
         return self.delta_of_job_id is None
 
+    def summary(self) -> JobSummary:
+        return JobSummary(
+            id=self.id,
+            user_id=self.user_id,
+            run_id=self.run_id,
+            status=self.status,
+            queue_seq=self.queue_seq,
+            delta_of_job_id=self.delta_of_job_id,
+            thesis=self.thesis,
+            source_count=len(self.sources),
+            verdict_counts=count_verdicts(self.verdicts),
+            created_at=self.created_at,
+            promoted_at=self.promoted_at,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            error_code=self.error_code,
+            error_detail=self.error_detail,
+            queue_position=self.queue_position,
+            waiting_for=self.waiting_for,
+        )
+
     def to_json(self) -> dict[str, Any]:
-        """The job as the REST API and the event stream show it."""
+        """The whole job, as ``GET /v1/analyses/{id}`` and a create answer show it: its summary
+        with the sources and the verdicts."""
+        return {**self.summary().to_json(), "sources": self.sources, "verdicts": self.verdicts}
+
+
+def count_verdicts(verdicts: list[dict[str, Any]] | None) -> dict[str, int] | None:
+    """How many sources got each verdict; None before there are verdicts."""
+    if verdicts is None:
+        return None
+    counts: dict[str, int] = {}
+    for verdict in verdicts:
+        name = str(verdict.get("verdict"))
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@dataclass(frozen=True, slots=True)
+class JobSummary:
+    """A job without its sources and verdicts: what lists and event frames carry, so that their
+    size does not grow with the jobs' (the whole job is ``GET /v1/analyses/{id}``)."""
+
+    id: UUID
+    user_id: str
+    run_id: UUID
+    status: JobStatus
+    queue_seq: int
+    delta_of_job_id: UUID | None
+    thesis: dict[str, Any]
+    source_count: int
+    verdict_counts: dict[str, int] | None
+    created_at: datetime
+    promoted_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    error_code: str | None
+    error_detail: str | None
+    queue_position: int | None = None
+    waiting_for: WaitReason | None = None  # queued only
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> JobSummary:
+        return cls(
+            id=row["id"],
+            user_id=row["user_id"],
+            run_id=row["run_id"],
+            status=JobStatus(row["status"]),
+            queue_seq=row["queue_seq"],
+            delta_of_job_id=row["delta_of_job_id"],
+            thesis=row["thesis"],
+            source_count=row["source_count"],
+            verdict_counts=row["verdict_counts"],
+            created_at=row["created_at"],
+            promoted_at=row["promoted_at"],
+            started_at=row["started_at"],
+            finished_at=row["finished_at"],
+            error_code=row["error_code"],
+            error_detail=row["error_detail"],
+            queue_position=row.get("queue_position"),
+            waiting_for=_wait(row.get("waiting_for")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The job as lists (``GET /v1/analyses``, the stream's snapshot) and event frames show
+        it."""
         error = None
         if self.error_code is not None and self.status in _ERROR_SHOWN:
             error = {"code": self.error_code, "detail": self.error_detail}
+        queued = self.status == JobStatus.QUEUED
         return {
             "id": str(self.id),
             "run_id": str(self.run_id),
             "status": self.status,
-            "queue_position": self.queue_position if self.status == JobStatus.QUEUED else None,
-            "waiting_for": self.waiting_for if self.status == JobStatus.QUEUED else None,
+            "queue_position": self.queue_position if queued else None,
+            "waiting_for": self.waiting_for if queued else None,
             "delta_of": str(self.delta_of_job_id) if self.delta_of_job_id else None,
             "thesis": self.thesis,
-            "sources": self.sources,
+            "source_count": self.source_count,
+            "verdict_counts": self.verdict_counts,
             "created_at": _iso(self.created_at),
             "promoted_at": _iso(self.promoted_at),
             "started_at": _iso(self.started_at),
             "finished_at": _iso(self.finished_at),
             "error": error,
-            "verdicts": self.verdicts,
         }
 
 
@@ -174,7 +259,23 @@ class JobEvent:
     event_id: int
     kind: EventKind
     created_at: datetime
-    job: Job | None
+    job: JobSummary | None
+
+
+@dataclass(frozen=True, slots=True)
+class EventPage:
+    """A page of a user's event log; ``more``: events after it may be waiting."""
+
+    events: tuple[JobEvent, ...]
+    more: bool
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePosition:
+    """Where a queued first-pass job stands in its user's queue (1 = next)."""
+
+    job_id: UUID
+    position: int
 
 
 class ReservationOutcome(StrEnum):

@@ -529,7 +529,7 @@ async def test_other_users_and_non_uuid_ids_are_not_found(harness: Harness) -> N
     assert await _count(h, "SELECT count(*) FROM analysis_jobs WHERE deleted_at IS NOT NULL") == 0
     assert (await _money(h, "intruder"))[0] == 1
     listing = await _call(h, "GET", "/v1/analyses", user="intruder")
-    assert listing.body == {"analyses": []}
+    assert listing.body == {"analyses": [], "next": None}
     await check_invariants(h.database_url)
 
 

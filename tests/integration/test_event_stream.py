@@ -38,6 +38,11 @@ class Sse:
         job = self.data.get("job")
         return job["id"] if job else None
 
+    @property
+    def positions(self) -> dict[str, int]:
+        """A position frame's moves: job id -> its queue position."""
+        return {m["id"]: m["queue_position"] for m in self.data.get("positions", [])}
+
 
 class SseClient:
     """Reads one stream in the background; tests wait on what arrived."""
@@ -223,14 +228,14 @@ async def test_events_arrive_in_order_with_increasing_ids(harness: Harness) -> N
     ]
     for event in stored:
         assert event.data["id"] == event.id and event.data["kind"] == event.type
-        assert set(event.data["job"]) >= {"id", "status", "queue_position", "thesis", "verdicts"}
+        assert set(event.data["job"]) >= {"id", "status", "queue_position", "thesis"}
+        assert "sources" not in event.data["job"] and "verdicts" not in event.data["job"]
     # c moved from 2nd to 1st in the queue when b was promoted: a position frame without an id.
     moves = [e for e in events if e.type == "position"]
-    assert moves[0].id is None and moves[0].job_id == c["id"]
-    assert moves[0].data["job"]["queue_position"] == 1
+    assert moves[0].id is None and moves[0].positions == {c["id"]: 1}
     finished_a = next(e for e in stored if e.type == "finished")
     assert finished_a.data["job"]["status"] == "succeeded"
-    assert finished_a.data["job"]["verdicts"]
+    assert sum(finished_a.data["job"]["verdict_counts"].values()) == 2
     b_admitted = next(e for e in stored if e.type == "admitted" and e.job_id == b["id"])
     assert b_admitted.data["at"] < finished_a.data["at"]
 
@@ -242,7 +247,7 @@ async def test_delete_of_a_queued_job_is_a_deleted_event_and_moves_the_rest(
     h.sim.judge_time_s = 60
     inst = await h.start_instance()
     await h.grant("u", 3)
-    a = await admitted(h, "u", 1)
+    await admitted(h, "u", 1)
     b = await admitted(h, "u", 2)
     c = await admitted(h, "u", 3)
     async with stream(h, inst, "u") as s:
@@ -258,8 +263,7 @@ async def test_delete_of_a_queued_job_is_a_deleted_event_and_moves_the_rest(
     deleted = next(e for e in events if e.type == "deleted")
     assert deleted.data["job"]["status"] == "cancelled"
     (move,) = [e for e in events if e.type == "position"]
-    assert (move.job_id, move.data["job"]["queue_position"]) == (c["id"], 1)
-    assert a["id"] not in {e.job_id for e in events if e.type == "position"}
+    assert move.positions == {c["id"]: 1}, "a, not queued, is not in it"
 
 
 async def _head(h: Harness, user: str) -> int:
@@ -505,10 +509,14 @@ async def _stuck_client(instance: Instance, user: str) -> socket.socket:
 
 
 def _big_thesis(n: int) -> dict[str, Any]:
-    """An admit body whose job JSON is ~90 kB: frames that fill the stuck client's socket
-    buffers (a few MB on loopback) and then its buffer in the hub within a dozen jobs."""
+    """An admit body whose summary (what a frame carries) is as large as the edge allows,
+    ~9 kB: frames that fill the stuck client's socket buffers (a few MB on loopback) and then
+    its buffer in the hub within a few dozen jobs."""
     body = thesis_body(n)
-    body["sources"] = [f"https://library.example/{n}/{k}/{'x' * 400}" for k in range(200)]
+    body["thesis"] = {
+        "title": f"{n} " + "\u20ac" * 490,  # three bytes each in UTF-8
+        "document_url": f"https://uni.example/{n}/" + "\U0001d518" * 1900 + ".pdf",  # four
+    }
     return body
 
 
@@ -520,7 +528,7 @@ async def test_a_stuck_subscriber_is_dropped_without_slowing_others_or_promotion
     inst = await h.start_instance()
     hub = inst.services.events
     hub.settings = dataclasses.replace(hub.settings, buffer_frames=16, write_timeout_s=30)
-    jobs = 12
+    jobs = 150
     await h.grant("u", jobs)
     stuck = await _stuck_client(inst, "u")
     try:
@@ -633,7 +641,7 @@ async def test_a_users_event_ids_follow_commit_order(database_url: str) -> None:
         await tx.rollback()  # event 3 never happened: the waiting writer takes id 3
         result = await other
         assert result is not None and result.changed
-        events = await db.events_after("u", 0, 10)
+        events = (await db.events_after("u", 0, 10)).events
         assert [(e.event_id, e.kind, e.job and e.job.id) for e in events] == [
             (1, "admitted", first),
             (2, "admitted", second),
@@ -681,7 +689,7 @@ async def test_concurrent_writers_get_dense_ids_per_user(database_url: str) -> N
 
         await asyncio.gather(*(admit("a" if n % 3 else "b") for n in range(40)))
         for user in ("a", "b"):
-            events = await db.events_after(user, 0, 100)
+            events = (await db.events_after(user, 0, 100)).events
             ids = [e.event_id for e in events]
             assert ids == list(range(1, len(ids) + 1))
             assert {e.kind for e in events} == {"admitted"}
@@ -689,7 +697,9 @@ async def test_concurrent_writers_get_dense_ids_per_user(database_url: str) -> N
             assert stamps == sorted(stamps)
             assert await db.event_head(user) == len(ids)
         assert (
-            len(await db.events_after("a", 0, 100)) + len(await db.events_after("b", 0, 100)) == 40
+            len((await db.events_after("a", 0, 100)).events)
+            + len((await db.events_after("b", 0, 100)).events)
+            == 40
         )
     finally:
         await db.close()

@@ -22,7 +22,7 @@ from analysis_queue.models import (
 )
 from support import make_job
 
-JOB_KEYS = {
+SUMMARY_KEYS = {
     "id",
     "run_id",
     "status",
@@ -30,14 +30,15 @@ JOB_KEYS = {
     "waiting_for",
     "delta_of",
     "thesis",
-    "sources",
+    "source_count",
+    "verdict_counts",
     "created_at",
     "promoted_at",
     "started_at",
     "finished_at",
     "error",
-    "verdicts",
 }
+JOB_KEYS = SUMMARY_KEYS | {"sources", "verdicts"}
 
 
 def _job(status: str, queue_position: int | None, **overrides: Any) -> Job:
@@ -75,6 +76,25 @@ def test_job_json_delta_and_error() -> None:
     assert body["error"] == {"code": "core_run_gone", "detail": "gone"}
     assert body["queue_position"] is None
     assert _job("queued", None).to_json()["queue_position"] is None
+
+
+def test_a_summary_is_the_job_without_its_sources_and_verdicts() -> None:
+    verdicts = [
+        {"source": "10.1000/a", "verdict": "supported"},
+        {"source": "10.1000/b", "verdict": "unsupported"},
+        {"source": "10.1000/c", "verdict": "supported"},
+    ]
+    job = _job(
+        "succeeded", None, sources=["10.1000/a", "10.1000/b", "10.1000/c"], verdicts=verdicts
+    )
+    summary = job.summary().to_json()
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["source_count"] == 3
+    assert summary["verdict_counts"] == {"supported": 2, "unsupported": 1}
+    whole = job.to_json()
+    assert {k: v for k, v in whole.items() if k in SUMMARY_KEYS} == summary
+    assert (whole["sources"], whole["verdicts"]) == (job.sources, verdicts)
+    assert _job("queued", 1).summary().to_json()["verdict_counts"] is None
 
 
 # -- the closed sets are the database's ------------------------------------------------------

@@ -4,9 +4,14 @@ A stream first subscribes to the instance's event hub, then catches up from the 
 forwards the hub's live frames, dropping those it already sent:
 
 - with ``Last-Event-ID`` (header, or ``last_event_id`` in the query): the user's events after
-  that id, replayed from ``job_events``, then a ``position`` frame for every queued job;
+  that id, replayed from ``job_events`` page by page (bounded in events and bytes), then one
+  ``position`` frame with every queued job's position;
 - without one, or with one older than the kept events (pruned) or unknown: a ``snapshot``
-  frame with every job as ``GET /v1/analyses`` lists them.
+  frame with the user's newest jobs as the first page of ``GET /v1/analyses`` lists them, and
+  the cursor of the next page.
+
+A stream's catch-up (the snapshot or the replay) waits its turn: one at a time per user, a few
+at once per instance (``EventHub.catching_up``); live frames buffer meanwhile.
 
 Ids are per user, dense and in commit order (``triggers/job_events.sql``): a replay that does
 not continue at ``Last-Event-ID + 1`` has lost events to pruning. Live frames are
@@ -28,16 +33,19 @@ from collections.abc import Iterable
 from aiohttp import web
 
 from analysis_queue import errors
+from analysis_queue.http.paging import split_page
 from analysis_queue.http.state import SERVICES
 from analysis_queue.loops.hub import (
     HEARTBEAT,
     EventHub,
     Frame,
     Subscription,
-    event_frame,
-    position_frame,
+    encoded,
+    event_frames,
+    position_frames,
     snapshot_frame,
 )
+from analysis_queue.models import QueuePosition
 
 log = logging.getLogger(__name__)
 
@@ -119,41 +127,49 @@ class _Stream:
         await self.forward()
 
     async def snapshot(self) -> None:
-        async with self.hub.reading() as db:
+        limit = self.hub.settings.snapshot_jobs
+        async with self.hub.catching_up(self.sub) as db:
             head = await db.event_head(self.user_id)
-            jobs = await db.list_jobs(self.user_id)
+            rows = await db.list_jobs(self.user_id, limit=limit + 1)
         self.floor, self.replayed = head, set()
-        await self.write(snapshot_frame(head, jobs).data)
+        page, cursor = split_page(rows, limit)
+        frame = await encoded(lambda jobs: [snapshot_frame(head, jobs, cursor)], page)
+        await self.write(frame[0].data)
 
     async def replay(self, after: int) -> bool:
         """Send the events after ``after``; False if they are not all kept (or ``after`` is
         not an id of this user's), so that a snapshot must stand in for them."""
-        page = self.hub.settings.page
-        async with self.hub.reading() as db:
+        settings = self.hub.settings
+        async with self.hub.catching_up(self.sub) as db:
             head = await db.event_head(self.user_id)
         if after > head:
             return False
         self.floor = after
         cursor = after
         while cursor < head:
-            async with self.hub.reading() as db:
-                events = await db.events_after(self.user_id, cursor, page)
+            # The read takes the catch-up budget; the write to this client does not.
+            async with self.hub.catching_up(self.sub) as db:
+                page = await db.events_after(
+                    self.user_id, cursor, settings.page, settings.page_bytes
+                )
+            events = page.events
             if not events or events[0].event_id != cursor + 1:
                 return False  # pruned: older than what is kept
-            frames: list[bytes] = []
             for event in events:
                 if event.event_id != cursor + 1:
                     return False  # a hole left by an interrupted prune
                 cursor = self.replay_top = event.event_id
                 self.replayed.add(cursor)
-                frames.append(event_frame(event).data)
-            await self.write_all(frames)
-            if len(events) < page:
+            frames = await encoded(event_frames, events)
+            await self.write_all(f.data for f in frames)
+            if not page.more:
                 break
         # Queued jobs the replay did not mention may have moved up meanwhile.
-        async with self.hub.reading() as db:
-            queued = await db.queued_jobs(self.user_id)
-        await self.write_all(position_frame(j).data for j in queued)
+        async with self.hub.catching_up(self.sub) as db:
+            positions: list[QueuePosition] = await db.queue_positions(self.user_id)
+        await self.write_all(
+            f.data for f in position_frames(positions, settings.positions_per_frame)
+        )
         return True
 
     def fresh(self, frame: Frame) -> bool:

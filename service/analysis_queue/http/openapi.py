@@ -22,6 +22,7 @@ from aiohttp import web
 
 from analysis_queue.core.client import CALLBACK_WINDOW_S, CoreRun
 from analysis_queue.http import bodies as schemas
+from analysis_queue.http import paging
 from analysis_queue.http import routes as api
 from analysis_queue.http.auth import MAX_USER_ID_LEN
 
@@ -61,78 +62,88 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 _TIMESTAMP = {"type": "string", "format": "date-time"}
 _UUID = {"type": "string", "format": "uuid"}
 
+_SUMMARY_PROPERTIES: dict[str, Any] = {
+    "id": _UUID,
+    "run_id": _UUID,
+    "status": {
+        "type": "string",
+        "enum": ["queued", "pending", "running", "succeeded", "failed", "cancelled"],
+    },
+    "queue_position": {
+        "type": ["integer", "null"],
+        "minimum": 1,
+        "description": "1 = next; null unless queued.",
+    },
+    "waiting_for": {
+        "type": ["string", "null"],
+        "enum": ["your_previous_analysis", "provider_capacity", None],
+        "description": "Why a queued job waits: its user's earlier analyses (their "
+        "limit is reached), or the provider's global ceiling. null unless queued.",
+    },
+    "delta_of": {**_nullable(_UUID), "description": "The job a re-check re-checks."},
+    "thesis": {
+        "type": "object",
+        "required": ["title", "document_url"],
+        "properties": {
+            "title": {"type": "string"},
+            "document_url": {"type": "string"},
+        },
+    },
+    "source_count": {"type": "integer", "minimum": 0},
+    "verdict_counts": {
+        "type": ["object", "null"],
+        "additionalProperties": {"type": "integer", "minimum": 1},
+        "description": "How many sources got each verdict; null until there are verdicts.",
+    },
+    "created_at": _TIMESTAMP,
+    "promoted_at": _nullable(_TIMESTAMP),
+    "started_at": _nullable(_TIMESTAMP),
+    "finished_at": _nullable(_TIMESTAMP),
+    "error": _nullable(
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["code", "detail"],
+            "properties": {
+                "code": {"type": "string"},
+                "detail": {"type": ["string", "null"]},
+            },
+        }
+    ),
+}
+_JOB_PROPERTIES: dict[str, Any] = {
+    **_SUMMARY_PROPERTIES,
+    "sources": {"type": "array", "items": {"type": "string"}},
+    "verdicts": {"type": ["array", "null"], "items": _ref("Verdict")},
+}
+
 RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
     "Job": {
         "type": "object",
-        "description": "An analysis job as the API shows it.",
+        "description": "An analysis job, whole: its summary with its sources and verdicts.",
         "additionalProperties": False,
-        "required": [
-            "id",
-            "run_id",
-            "status",
-            "queue_position",
-            "waiting_for",
-            "delta_of",
-            "thesis",
-            "sources",
-            "created_at",
-            "promoted_at",
-            "started_at",
-            "finished_at",
-            "error",
-            "verdicts",
-        ],
-        "properties": {
-            "id": _UUID,
-            "run_id": _UUID,
-            "status": {
-                "type": "string",
-                "enum": ["queued", "pending", "running", "succeeded", "failed", "cancelled"],
-            },
-            "queue_position": {
-                "type": ["integer", "null"],
-                "minimum": 1,
-                "description": "1 = next; null unless queued.",
-            },
-            "waiting_for": {
-                "type": ["string", "null"],
-                "enum": ["your_previous_analysis", "provider_capacity", None],
-                "description": "Why a queued job waits: its user's earlier analyses (their "
-                "limit is reached), or the provider's global ceiling. null unless queued.",
-            },
-            "delta_of": {**_nullable(_UUID), "description": "The job a re-check re-checks."},
-            "thesis": {
-                "type": "object",
-                "required": ["title", "document_url"],
-                "properties": {
-                    "title": {"type": "string"},
-                    "document_url": {"type": "string"},
-                },
-            },
-            "sources": {"type": "array", "items": {"type": "string"}},
-            "created_at": _TIMESTAMP,
-            "promoted_at": _nullable(_TIMESTAMP),
-            "started_at": _nullable(_TIMESTAMP),
-            "finished_at": _nullable(_TIMESTAMP),
-            "error": _nullable(
-                {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["code", "detail"],
-                    "properties": {
-                        "code": {"type": "string"},
-                        "detail": {"type": ["string", "null"]},
-                    },
-                }
-            ),
-            "verdicts": {"type": ["array", "null"], "items": _ref("Verdict")},
-        },
+        "required": list(_JOB_PROPERTIES),
+        "properties": _JOB_PROPERTIES,
+    },
+    "JobSummary": {
+        "type": "object",
+        "description": "An analysis job without its sources and verdicts, as lists and event "
+        "frames carry it (`GET /v1/analyses/{job_id}` has the whole job).",
+        "additionalProperties": False,
+        "required": list(_SUMMARY_PROPERTIES),
+        "properties": _SUMMARY_PROPERTIES,
     },
     "JobList": {
         "type": "object",
         "additionalProperties": False,
-        "required": ["analyses"],
-        "properties": {"analyses": {"type": "array", "items": _ref("Job")}},
+        "required": ["analyses", "next"],
+        "properties": {
+            "analyses": {"type": "array", "items": _ref("JobSummary")},
+            "next": {
+                "type": ["string", "null"],
+                "description": "The cursor of the next page (`?cursor=`); null on the last.",
+            },
+        },
     },
     "Problem": {
         "type": "object",
@@ -265,6 +276,20 @@ _JOB_ID = {
     "description": "The job's id. Not a UUID, unknown, deleted or another user's: 404.",
     "schema": _UUID,
 }
+_LIMIT = {
+    "name": "limit",
+    "in": "query",
+    "required": False,
+    "description": f"Jobs per page (default {paging.DEFAULT_LIMIT}).",
+    "schema": {"type": "integer", "minimum": 1, "maximum": paging.MAX_LIMIT},
+}
+_CURSOR = {
+    "name": "cursor",
+    "in": "query",
+    "required": False,
+    "description": "The `next` of the previous page, as it came (opaque).",
+    "schema": {"type": "string", "minLength": 1, "maxLength": 64},
+}
 _USER_ID = {
     "name": "user_id",
     "in": "path",
@@ -301,15 +326,17 @@ _CORE_HEADERS = [
 
 # What each problem status means, per operation kind; the codes are the stable `code` values.
 _PROBLEMS: dict[int, str] = {
-    400: "malformed_request: the body is not JSON (or not UTF-8).",
+    400: "malformed_request: the body is not JSON (or not UTF-8); invalid_parameter: a query "
+    "parameter (with `errors`).",
     401: "unauthorized: missing, invalid or expired credentials.",
     402: "insufficient_credits.",
     404: "not_found.",
     409: "A conflict; see `code`.",
-    413: "payload_too_large: the body exceeds 1 MiB.",
+    413: "payload_too_large: the body exceeds 1 MiB; job_too_large: the thesis and sources "
+    "together take more than `AQ_JOB_MAX_BYTES` (64 KiB by default; `limit_bytes` says).",
     415: "unsupported_media_type: the body must be application/json (UTF-8).",
     422: "invalid_body (with `errors`), or Core's refusal: invalid_source, unparseable_thesis.",
-    429: "provider_budget_exhausted: try again later.",
+    429: "provider_budget_exhausted, or too_many_streams (event streams): try again later.",
     502: "core_run_gone.",
     503: "core_unavailable, database_unavailable or shutting_down: try again shortly.",
 }
@@ -360,7 +387,13 @@ OPERATIONS: dict[RouteKey, Operation] = {
         "run one at a time per user, in admission order.",
     ),
     ("GET", "/v1/analyses"): Operation(
-        "listAnalyses", "The caller's jobs, newest first", {200: "JobList"}, (401, 503)
+        "listAnalyses",
+        "A page of the caller's jobs as summaries, newest first",
+        {200: "JobList"},
+        (400, 401, 503),
+        parameters=(_LIMIT, _CURSOR),
+        description="Follow `next` (`?cursor=`) for the page after; a job admitted while "
+        "paging comes before the first page and never shifts a later one.",
     ),
     ("GET", "/v1/analyses/{job_id}"): Operation(
         "getAnalysis",
@@ -466,7 +499,7 @@ OPERATIONS: dict[RouteKey, Operation] = {
         "eventStream",
         "The caller's job changes as Server-Sent Events",
         {200: "text/event-stream"},
-        (401, 503),
+        (401, 429, 503),
         parameters=(
             {
                 "name": "Last-Event-ID",
@@ -495,14 +528,18 @@ OPERATIONS: dict[RouteKey, Operation] = {
         description=(
             "A stream that does not end. Each frame is `id: <event id>` (absent on `position` "
             "frames), `event: <kind>` and one `data:` line of JSON "
-            '`{"id", "kind", "at", "job"}` where `job` is the job as `GET /v1/analyses/{id}` '
-            "shows it when the frame is sent. Kinds: `admitted`, `promoted`, `started`, "
-            "`finished`, `cancelled`, `deleted`, `changed`; `waiting` when a queued job's "
-            "`waiting_for` changed; `position` when a job ahead left "
-            'the queue; `snapshot` (`{"id", "kind", "at", "analyses": [job, ...]}`) first when '
-            "there is no usable Last-Event-ID. Event ids increase per user in commit order; "
-            "reconnect with `Last-Event-ID` to receive what was missed, then the live stream. "
-            "Idle streams get a `: keepalive` comment every 15 s."
+            '`{"id", "kind", "at", "job"}` where `job` is the job\'s summary (JobSummary) as '
+            "`GET /v1/analyses` lists it when the frame is sent. Kinds: `admitted`, "
+            "`promoted`, `started`, `finished`, `cancelled`, `deleted`, `changed`; `waiting` "
+            "when a queued job's `waiting_for` changed; `position` "
+            '(`{"id": null, "kind", "at", "positions": [{"id", "queue_position"}, ...]}`) when '
+            "jobs ahead left the queue; `snapshot` "
+            '(`{"id", "kind", "at", "analyses": [summary, ...], "next"}`, the first page of '
+            "`GET /v1/analyses` and its cursor) first when there is no usable Last-Event-ID. "
+            "Event ids increase per user in commit order; reconnect with `Last-Event-ID` to "
+            "receive what was missed, then the live stream. Idle streams get a `: keepalive` "
+            "comment every 15 s. At most 20 streams per user are open at once (429 "
+            "too_many_streams, with Retry-After)."
         ),
         tag="events",
     ),

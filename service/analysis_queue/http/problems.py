@@ -24,6 +24,7 @@ STATUS: dict[type[errors.AppError], int] = {
     errors.AppError: 500,
     errors.MalformedRequest: 400,
     errors.BadRequest: 400,
+    errors.InvalidParameter: 400,
     errors.Unauthorized: 401,
     errors.InvalidSignature: 401,
     errors.InsufficientCredits: 402,
@@ -34,12 +35,14 @@ STATUS: dict[type[errors.AppError], int] = {
     errors.IdempotencyInProgress: 409,
     errors.Conflict: 409,
     errors.PayloadTooLarge: 413,
+    errors.JobTooLarge: 413,
     errors.UnsupportedMediaType: 415,
     errors.InvalidBody: 422,
     errors.CoreRefused: 422,
     errors.InvalidSource: 422,
     errors.UnparseableThesis: 422,
     errors.ProviderBudgetExhausted: 429,
+    errors.TooManyStreams: 429,
     errors.CoreRunGone: 502,
     errors.CoreUnavailable: 503,
     errors.DatabaseUnavailable: 503,
@@ -89,11 +92,12 @@ def problem(
         "instance": instance,
     }
     body.update({k: v for k, v in error.extra.items() if k not in body})
+    retry = {} if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
     return web.Response(
         body=orjson.dumps(body),
         status=status,
         content_type="application/problem+json",
-        headers={**HEADERS.get(type(error), {}), **(headers or {})},
+        headers={**HEADERS.get(type(error), {}), **retry, **(headers or {})},
     )
 
 

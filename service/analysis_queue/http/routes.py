@@ -23,6 +23,7 @@ from analysis_queue.http.bodies import (
     RecheckRequest,
     UserLimitRequest,
 )
+from analysis_queue.http.paging import page_request, split_page
 from analysis_queue.http.problems import Handler
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.logs import request_id_var
@@ -142,9 +143,15 @@ async def create_analysis(request: web.Request) -> web.Response:
 
 @routes.get("/v1/analyses")
 async def list_analyses(request: web.Request) -> web.Response:
+    """A page of the caller's jobs as summaries, newest first; ``next`` is the cursor of the
+    page after it (``?cursor=``), null on the last."""
     user_id = _user(request)
-    jobs = await _services(request).db.list_jobs(user_id)
-    return json_response({"analyses": [j.to_json() for j in jobs]})
+    wanted = page_request(request.query)
+    rows = await _services(request).db.list_jobs(
+        user_id, before_seq=wanted.before_seq, limit=wanted.limit + 1
+    )
+    page, cursor = split_page(rows, wanted.limit)
+    return json_response({"analyses": [j.to_json() for j in page], "next": cursor})
 
 
 @routes.get("/v1/analyses/{job_id}")

@@ -9,15 +9,20 @@ wake-up; the events come from ``job_events``, whose per-user ids follow commit o
 the cursor" misses nothing. A reconnecting listener and a slow periodic resync catch up on
 notifications that were lost.
 
-Back-pressure: each subscriber has a bounded buffer. One that is full is dropped (its
-connection aborted; the client reconnects with ``Last-Event-ID`` and misses nothing), so a slow
-reader never slows the listener, promotion or another subscriber. ``notify`` only schedules;
-database reads are pooled and bounded by a semaphore; no connection is held per subscriber.
+Bounds. Each subscriber has a bounded buffer; one that is full is dropped (its connection
+aborted; the client reconnects with ``Last-Event-ID`` and misses nothing), so a slow reader never
+slows the listener, promotion or another subscriber. Streams are capped per user and per
+instance (``TooManyStreams``, a 429). Frames carry job summaries, never sources or verdicts, so
+a frame's size does not grow with the job's. ``notify`` only schedules; no connection is held
+per subscriber. Database reads come in two budgets: live delivery (the feeds' reads) has its
+own, so that new streams' catch-up (a snapshot or a replay, one at a time per user, a few at
+once in all) never delays another user's events.
 
 "Position changed": a job leaving a user's queue (promoted, cancelled, deleted) moves the
 user's other queued jobs up. These moves are not stored: after a batch holding such an event
-the hub reads the user's queued jobs and sends a ``position`` frame, without an id, for each
-job whose position differs from what the feed last sent.
+the hub reads the user's queue positions and sends one ``position`` frame, without an id, that
+lists ``{id, queue_position}`` for each job whose position differs from what the feed last
+sent.
 """
 
 from __future__ import annotations
@@ -25,18 +30,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 import orjson
 
 from analysis_queue import errors
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import EventKind, Job, JobEvent
+from analysis_queue.models import EventKind, JobEvent, JobSummary, QueuePosition
 from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
@@ -55,6 +60,7 @@ class StreamKind(StrEnum):
 
 
 HEARTBEAT = b": keepalive\n\n"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,14 @@ class HubSettings:
     write_timeout_s: float = 10.0  # a write that cannot drain this long drops the subscriber
     resync_s: float = 15.0  # re-read every feed this often, in case a NOTIFY was lost
     page: int = 500  # events per database read
-    read_concurrency: int = 4  # database reads in flight for the hub and stream replays
+    page_bytes: int = 1 << 20  # ... and about this many bytes of job summaries
+    snapshot_jobs: int = 200  # jobs in a snapshot frame (the rest: GET /v1/analyses?cursor=)
+    read_concurrency: int = 4  # live delivery's database reads in flight
+    catchup_concurrency: int = 2  # new streams' snapshots and replays in flight, in all
+    max_streams_per_user: int = 20
+    max_streams: int = 5000  # per instance
     retry_ms: int = 2000  # the reconnect delay the stream asks EventSource for
+    positions_per_frame: int = 500  # entries of one position frame
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,24 +109,51 @@ def event_frame(event: JobEvent) -> Frame:
     return Frame(event.event_id, encode(event.kind, payload, event.event_id))
 
 
-def position_frame(job: Job) -> Frame:
-    payload = {
-        "id": None,
-        "kind": StreamKind.POSITION,
-        "at": datetime.now(UTC).isoformat(),
-        "job": job.to_json(),
-    }
-    return Frame(None, encode(StreamKind.POSITION, payload))
+def event_frames(events: Sequence[JobEvent]) -> list[Frame]:
+    return [event_frame(e) for e in events]
 
 
-def snapshot_frame(head: int, jobs: Iterable[Job]) -> Frame:
+def position_frames(moves: Sequence[QueuePosition], per_frame: int = 500) -> list[Frame]:
+    """The moves as ``position`` frames of at most ``per_frame`` entries each: ids and
+    positions, never whole jobs."""
+    at = datetime.now(UTC).isoformat()
+    frames = []
+    for start in range(0, len(moves), per_frame):
+        payload = {
+            "id": None,
+            "kind": StreamKind.POSITION,
+            "at": at,
+            "positions": [
+                {"id": str(m.job_id), "queue_position": m.position}
+                for m in moves[start : start + per_frame]
+            ],
+        }
+        frames.append(Frame(None, encode(StreamKind.POSITION, payload)))
+    return frames
+
+
+def snapshot_frame(head: int, jobs: Iterable[JobSummary], next_cursor: str | None) -> Frame:
+    """The user's newest jobs as ``GET /v1/analyses`` lists them, and the cursor of the page
+    after them (None: these are all)."""
     payload = {
         "id": head,
         "kind": StreamKind.SNAPSHOT,
         "at": datetime.now(UTC).isoformat(),
         "analyses": [j.to_json() for j in jobs],
+        "next": next_cursor,
     }
     return Frame(head, encode(StreamKind.SNAPSHOT, payload, head))
+
+
+ENCODE_INLINE_MAX = 64  # frames to encode on the event loop; more go to a thread
+
+
+async def encoded(make: Callable[[Sequence[T]], list[Frame]], items: Sequence[T]) -> list[Frame]:
+    """``make(items)``, off the event loop when there are many: a large page must not stall
+    every other stream and request for the time its JSON takes."""
+    if len(items) <= ENCODE_INLINE_MAX:
+        return make(items)
+    return await asyncio.to_thread(make, items)
 
 
 class Subscription:
@@ -181,6 +220,7 @@ class _Feed:
         self.dirty = False
         self.pumping = False
         self.positions: dict[UUID, int | None] = {}
+        self.catching_up = asyncio.Lock()  # one snapshot or replay at a time for this user
 
 
 class EventHub:
@@ -192,6 +232,7 @@ class EventHub:
         self.metrics = metrics
         self._feeds: dict[str, _Feed] = {}
         self._reads = asyncio.Semaphore(settings.read_concurrency)
+        self._catchups = asyncio.Semaphore(settings.catchup_concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
         self._resync_task: asyncio.Task[None] | None = None
         self.closed = False
@@ -211,8 +252,15 @@ class EventHub:
         database for the stream's replay or snapshot, which it reads after this returns."""
         if self.closed:
             raise errors.ShuttingDown()
-        sub = Subscription(user_id, self.settings.buffer_frames)
         feed = self._feeds.get(user_id)
+        if feed is not None and len(feed.subs) >= self.settings.max_streams_per_user:
+            raise errors.TooManyStreams(
+                f"At most {self.settings.max_streams_per_user} event streams per user are open "
+                "at once; close one first."
+            )
+        if self._count >= self.settings.max_streams:
+            raise errors.TooManyStreams("This instance has no room for another event stream.")
+        sub = Subscription(user_id, self.settings.buffer_frames)
         if feed is None:
             feed = self._feeds[user_id] = _Feed(user_id)
             feed.ready = asyncio.ensure_future(self._init_feed(feed))
@@ -302,37 +350,42 @@ class EventHub:
     async def _pump_once(self, feed: _Feed) -> None:
         assert feed.cursor is not None
         async with self._reads:
-            events = await self.db.events_after(feed.user_id, feed.cursor, self.settings.page)
-        if len(events) == self.settings.page:
-            feed.dirty = True  # more to read
+            page = await self.db.events_after(
+                feed.user_id, feed.cursor, self.settings.page, self.settings.page_bytes
+            )
+        events = page.events
+        if page.more:
+            feed.dirty = True  # read on
         if not events:
             return
         feed.cursor = events[-1].event_id
-        frames = [event_frame(e) for e in events]
+        frames = await encoded(event_frames, events)
         for event in events:
             if event.job is not None:
                 feed.positions[event.job.id] = event.job.queue_position
         if any(e.kind in QUEUE_LEAVING_KINDS for e in events):
             async with self._reads:
-                queued = await self.db.queued_jobs(feed.user_id)
-            frames.extend(self._moved(feed, queued))
+                positions = await self.db.queue_positions(feed.user_id)
+            frames.extend(self._moved(feed, positions))
         self.batches += 1
         for sub in list(feed.subs):
             if not sub.offer(frames):
                 self._drop(sub)
 
-    @staticmethod
-    def _moved(feed: _Feed, queued: list[Job]) -> list[Frame]:
-        moved = [position_frame(j) for j in queued if feed.positions.get(j.id) != j.queue_position]
-        feed.positions = {j.id: j.queue_position for j in queued}
-        return moved
+    def _moved(self, feed: _Feed, positions: list[QueuePosition]) -> list[Frame]:
+        moved = [p for p in positions if feed.positions.get(p.job_id) != p.position]
+        feed.positions = {p.job_id: p.position for p in positions}
+        return position_frames(moved, self.settings.positions_per_frame)
 
-    # -- reads for the streams (bounded like the hub's own) ---------------------------------
+    # -- reads for the streams' catch-up ----------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def reading(self) -> AsyncIterator[Database]:
-        """The database, within the hub's read concurrency."""
-        async with self._reads:
+    async def catching_up(self, sub: Subscription) -> AsyncIterator[Database]:
+        """The database for a new stream's snapshot or replay: one at a time for its user, a
+        few at once in all, apart from live delivery's reads."""
+        feed = self._feeds.get(sub.user_id)
+        lock = feed.catching_up if feed is not None else asyncio.Lock()
+        async with lock, self._catchups:
             yield self.db
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class Admitter:
         *,
         analysis_cost: int,
         recheck_cost: int,
+        job_max_bytes: int = 64 * 1024,
     ) -> None:
         self.db = db
         self.core = core
@@ -59,6 +60,7 @@ class Admitter:
         self.metrics = metrics
         self.analysis_cost = analysis_cost
         self.recheck_cost = recheck_cost
+        self.job_max_bytes = job_max_bytes
 
     async def admit(
         self,
@@ -124,6 +126,7 @@ class Admitter:
         idempotency_key: str | None,
         body_hash: str | None,
     ) -> Admitted:
+        self._check_size(thesis, sources)
         job_id, run_id = uuid.uuid4(), uuid.uuid4()
         reservation = await self.db.reserve(
             user_id=user_id,
@@ -210,6 +213,18 @@ class Admitter:
             },
         )
         return Admitted(job, created=True)
+
+    def _check_size(self, thesis: dict[str, Any], sources: list[str]) -> None:
+        """What a job stores is bounded in bytes, not characters: everything that serves it
+        (lists, event streams, replays, Core's request) then has a bound too."""
+        size = len(orjson.dumps({"thesis": thesis, "sources": sources}))
+        if size > self.job_max_bytes:
+            raise errors.JobTooLarge(
+                f"The thesis and sources take {size} bytes; one analysis may store at most "
+                f"{self.job_max_bytes} (AQ_JOB_MAX_BYTES).",
+                limit_bytes=self.job_max_bytes,
+                size_bytes=size,
+            )
 
     async def _abandon(self, run_id: UUID, core_run_id: str) -> None:
         try:

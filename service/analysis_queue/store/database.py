@@ -19,10 +19,13 @@ from analysis_queue.models import (
     Admission,
     Capacity,
     EventKind,
+    EventPage,
     Finish,
     Job,
     JobEvent,
     JobStatus,
+    JobSummary,
+    QueuePosition,
     Reservation,
     ReservationOutcome,
     StaleReservation,
@@ -367,8 +370,13 @@ class Database:
     async def get_job(self, job_id: UUID, user_id: str) -> Job | None:
         return _job_or_none(await self._fetchrow("job_get", job_id, user_id))
 
-    async def list_jobs(self, user_id: str, limit: int = 200) -> list[Job]:
-        return [Job.from_row(r) for r in await self._fetch("job_list", user_id, limit)]
+    async def list_jobs(
+        self, user_id: str, *, before_seq: int | None = None, limit: int = 50
+    ) -> list[JobSummary]:
+        """A page of the user's jobs, newest first: those admitted before ``before_seq`` (a
+        job's ``queue_seq``; None: from the newest)."""
+        rows = await self._fetch("job_list_page", user_id, before_seq, limit)
+        return [JobSummary.from_row(r) for r in rows]
 
     async def job_for_recheck(self, job_id: UUID, user_id: str) -> dict[str, Any] | None:
         row = await self._fetchrow("job_for_recheck", job_id, user_id)
@@ -381,16 +389,27 @@ class Database:
         row = await self._fetchrow("job_event_head", user_id)
         return int(row["last_id"])
 
-    async def events_after(self, user_id: str, after_id: int, limit: int) -> list[JobEvent]:
-        rows = await self._fetch("job_event_list_after", user_id, after_id, limit)
-        return [
-            JobEvent(r["event_id"], EventKind(r["kind"]), r["event_at"], _job_or_none(r))
+    async def events_after(
+        self, user_id: str, after_id: int, limit: int, max_bytes: int = 1 << 20
+    ) -> EventPage:
+        """The user's events after ``after_id``, oldest first: at most ``limit`` of them and
+        about ``max_bytes`` of job summaries, but always at least one if there is one."""
+        rows = await self._fetch("job_event_page", user_id, after_id, limit, max_bytes)
+        events = tuple(
+            JobEvent(
+                r["event_id"],
+                EventKind(r["kind"]),
+                r["event_at"],
+                JobSummary.from_row(r) if r["id"] is not None else None,
+            )
             for r in rows
-        ]
+        )
+        return EventPage(events, more=bool(rows) and bool(rows[0]["more"]))
 
-    async def queued_jobs(self, user_id: str) -> list[Job]:
-        """The user's queued jobs in queue order, with their positions."""
-        return [Job.from_row(r) for r in await self._fetch("job_list_queued", user_id)]
+    async def queue_positions(self, user_id: str) -> list[QueuePosition]:
+        """Where each of the user's queued jobs stands, in queue order."""
+        rows = await self._fetch("job_queue_positions", user_id)
+        return [QueuePosition(r["id"], r["queue_position"]) for r in rows]
 
     async def prune_events(self, retention_s: float, limit: int) -> int:
         row = await self._fetchrow("job_event_prune", retention_s, limit)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from datetime import UTC, datetime
 
 import orjson
-from analysis_queue.loops.hub import Frame, Subscription, encode, event_frame
-from analysis_queue.models import Job, JobEvent
+from analysis_queue.loops.hub import (
+    Frame,
+    Subscription,
+    encode,
+    event_frame,
+    position_frames,
+    snapshot_frame,
+)
+from analysis_queue.models import EventKind, Job, JobEvent, QueuePosition
 from support import make_job
 
 
@@ -32,15 +40,39 @@ def _parse(frame: bytes) -> dict[str, str]:
     }
 
 
-def test_event_frame_is_one_sse_event_carrying_the_job_as_the_rest_api_shows_it() -> None:
-    job = _job()
-    frame = event_frame(JobEvent(41, "admitted", datetime.now(UTC), job))
+def test_event_frame_is_one_sse_event_carrying_the_jobs_summary() -> None:
+    job = _job(sources=[f"10.1000/{n}" for n in range(200)])
+    frame = event_frame(JobEvent(41, EventKind.ADMITTED, datetime.now(UTC), job.summary()))
     fields = _parse(frame.data)
     assert frame.event_id == 41
     assert (fields["id"], fields["event"]) == ("41", "admitted")
     data = orjson.loads(fields["data"])
-    assert data["job"] == orjson.loads(orjson.dumps(job.to_json()))
+    assert data["job"] == orjson.loads(orjson.dumps(job.summary().to_json()))
     assert (data["id"], data["kind"], data["job"]["queue_position"]) == (41, "admitted", 2)
+    assert "sources" not in data["job"] and data["job"]["source_count"] == 200
+    assert len(frame.data) < 1024, "a summary does not grow with the sources"
+
+
+def test_position_frames_carry_ids_and_positions_only_in_bounded_frames() -> None:
+    moves = [QueuePosition(uuid.uuid4(), n) for n in range(1, 1201)]
+    frames = position_frames(moves, per_frame=500)
+    assert [f.event_id for f in frames] == [None, None, None]
+    payloads = [orjson.loads(_parse(f.data)["data"]) for f in frames]
+    assert [len(p["positions"]) for p in payloads] == [500, 500, 200]
+    assert payloads[0]["kind"] == "position" and payloads[0]["id"] is None
+    assert payloads[2]["positions"][-1] == {"id": str(moves[-1].job_id), "queue_position": 1200}
+    assert all(len(f.data) < 500 * 70 for f in frames)
+    assert position_frames([]) == []
+
+
+def test_a_snapshot_frame_carries_summaries_and_the_next_cursor() -> None:
+    jobs = [_job(sources=["10.1000/a"] * 100).summary() for _ in range(3)]
+    frame = snapshot_frame(9, jobs, "q-next")
+    data = orjson.loads(_parse(frame.data)["data"])
+    assert frame.event_id == 9
+    assert (data["id"], data["kind"], data["next"]) == (9, "snapshot", "q-next")
+    assert [j["id"] for j in data["analyses"]] == [str(j.id) for j in jobs]
+    assert all("sources" not in j for j in data["analyses"])
 
 
 def test_a_frame_without_an_id_has_no_id_line() -> None:

@@ -10,7 +10,7 @@
     provider_capacity: "waits for provider capacity",
   };
   const UPSERT_KINDS = [
-    "admitted", "promoted", "started", "finished", "cancelled", "changed", "waiting", "position",
+    "admitted", "promoted", "started", "finished", "cancelled", "changed", "waiting",
   ];
   const OPEN = new Set(["queued", "pending", "running"]);
   const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
@@ -117,12 +117,21 @@
       scheduleRender();
       scheduleCredits();
     });
+    source.addEventListener("position", (event) => {
+      // Only ids and positions: the jobs themselves came with earlier frames.
+      const data = JSON.parse(event.data);
+      for (const moved of data.positions || []) {
+        const job = state.jobs.get(moved.id);
+        if (job) state.jobs.set(moved.id, { ...job, queue_position: moved.queue_position });
+      }
+      scheduleRender();
+    });
     for (const kind of UPSERT_KINDS) {
       source.addEventListener(kind, (event) => {
         const data = JSON.parse(event.data);
         if (data.job) state.jobs.set(data.job.id, data.job);
         scheduleRender();
-        if (kind !== "position") scheduleCredits();
+        scheduleCredits();
       });
     }
   }
@@ -181,9 +190,8 @@
     return iso ? new Date(iso).toLocaleTimeString() : "";
   }
 
-  function verdictList(verdicts) {
-    const counts = new Map();
-    for (const item of verdicts || []) counts.set(item.verdict, (counts.get(item.verdict) || 0) + 1);
+  function verdictList(verdictCounts) {
+    const counts = new Map(Object.entries(verdictCounts || {}));
     const list = el("ul", "verdicts");
     for (const [verdict, label] of Object.entries(VERDICT_LABELS)) {
       const item = el("li");
@@ -219,7 +227,7 @@
     else if (job.status === "queued") {
       node.textContent = "Submitted " + time(job.created_at) + " · " + WAITING[job.waiting_for];
     }
-    else if (job.status === "succeeded") node.append(verdictList(job.verdicts));
+    else if (job.status === "succeeded") node.append(verdictList(job.verdict_counts));
     else if (job.status === "failed") {
       node.textContent = "Failed: " + (job.error ? job.error.detail || job.error.code : "unknown reason");
     } else if (job.status === "cancelled") node.textContent = "Cancelled " + time(job.finished_at);
