@@ -256,3 +256,26 @@ async def test_a_replay_page_is_cut_by_bytes_but_always_makes_progress(
     assert len(counted.events) == 3 and counted.more
     last = await db.events_after("u", 6, 100, max_bytes=1)
     assert len(last.events) == 1 and not last.more
+
+
+async def test_a_stream_ends_after_its_lifetime_and_resumes_where_it_ended(
+    harness: Harness,
+) -> None:
+    h = harness
+    h.sim.judge_time_s = 600
+    inst = await h.start_instance()
+    hub = inst.services.events
+    hub.settings = dataclasses.replace(hub.settings, max_stream_s=0.5)
+    await h.grant("u", 2)
+    await h.admit("u", 1)
+    async with _open_stream(h, inst, "u") as response:
+        body = await asyncio.wait_for(response.read(), 10)  # it ends by itself
+    assert b"event: snapshot" in body and body.endswith(b"\n\n")
+    await h.admit("u", 2)
+    head = int(await fetchval(h.database_url, "SELECT last_id FROM job_event_counters"))
+    async with h.http.get(
+        f"{inst.base_url}/v1/events", headers={**h.auth("u"), "Last-Event-ID": str(head - 1)}
+    ) as again:
+        resumed = await asyncio.wait_for(again.read(), 10)
+    assert f"id: {head}\n".encode() in resumed and b"event: snapshot" not in resumed
+    assert hub.subscribers == 0

@@ -121,10 +121,11 @@ class _Stream:
             await self.write(b"".join(chunk))
 
     async def run(self, after: int | None) -> None:
+        ends_at = asyncio.get_running_loop().time() + self.hub.settings.max_stream_s
         await self.write(b"retry: %d\n\n" % self.hub.settings.retry_ms)
         if after is None or not await self.replay(after):
             await self.snapshot()
-        await self.forward()
+        await self.forward(ends_at)
 
     async def snapshot(self) -> None:
         limit = self.hub.settings.snapshot_jobs
@@ -183,10 +184,14 @@ class _Stream:
             self.floor, self.replayed = self.replay_top, set()
         return True
 
-    async def forward(self) -> None:
+    async def forward(self, ends_at: float) -> None:
         heartbeat_s = self.hub.settings.heartbeat_s
+        loop = asyncio.get_running_loop()
         while True:
-            frames = await self.sub.next(heartbeat_s)
+            left = ends_at - loop.time()
+            if left <= 0:
+                return  # its time is up: the client reconnects with its Last-Event-ID
+            frames = await self.sub.next(min(heartbeat_s, left))
             if frames is None:
                 return
             transport = self.request.transport
@@ -194,7 +199,7 @@ class _Stream:
                 return
             if frames:
                 await self.write_all(f.data for f in frames if self.fresh(f))
-            else:
+            elif loop.time() < ends_at:
                 await self.write(HEARTBEAT)
 
     async def finish(self) -> None:

@@ -25,8 +25,10 @@ from analysis_queue.http import bodies as schemas
 from analysis_queue.http import paging
 from analysis_queue.http import routes as api
 from analysis_queue.http.auth import MAX_USER_ID_LEN
+from analysis_queue.models import EventKind
 
 OPENAPI_VERSION = "3.1.0"
+EVENT_STREAM = "text/event-stream"
 # Methods aiohttp answers without a route of their own (HEAD for every GET).
 IMPLICIT_METHODS = frozenset({"HEAD"})
 # The request bodies, by the name the document gives their schema: generated from the models
@@ -117,7 +119,100 @@ _JOB_PROPERTIES: dict[str, Any] = {
     "verdicts": {"type": ["array", "null"], "items": _ref("Verdict")},
 }
 
+_EVENT_ID = {"type": "string", "pattern": "^[0-9]{1,19}$"}
+
+
+def _sse_event(event: dict[str, Any], data: str, *, id_required: bool) -> dict[str, Any]:
+    """One Server-Sent Event as a client parses it: its ``event`` name, its ``id`` (a position
+    frame has none of its own; a parser carries the last one over), and ``data``, one line of
+    JSON described by ``contentSchema``."""
+    return {
+        "type": "object",
+        "required": ["event", "data", *(["id"] if id_required else [])],
+        "properties": {
+            "event": event,
+            "id": _EVENT_ID,
+            "retry": {"type": "integer", "minimum": 0},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": _ref(data),
+            },
+        },
+    }
+
+
+_STORED_KINDS = [kind.value for kind in EventKind]
+
 RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
+    "StreamEvent": {
+        "description": "One event of `GET /v1/events`: a stored job event (with its id), a "
+        "`position` frame (no id of its own), or the `snapshot` a stream starts with.",
+        "oneOf": [
+            _sse_event({"type": "string", "enum": _STORED_KINDS}, "JobEventData", id_required=True),
+            _sse_event({"const": "position"}, "PositionData", id_required=False),
+            _sse_event({"const": "snapshot"}, "SnapshotData", id_required=True),
+        ],
+    },
+    "JobEventData": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["id", "kind", "at", "job"],
+        "properties": {
+            "id": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "The SSE id: per user, dense, in commit order.",
+            },
+            "kind": {"type": "string", "enum": _STORED_KINDS},
+            "at": _TIMESTAMP,
+            "job": {
+                "anyOf": [_ref("JobSummary"), {"type": "null"}],
+                "description": "The job's summary when the frame is sent (it can be ahead of "
+                "the event); null if the job is gone.",
+            },
+        },
+    },
+    "PositionData": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["id", "kind", "at", "positions"],
+        "properties": {
+            "id": {"type": "null"},
+            "kind": {"const": "position"},
+            "at": _TIMESTAMP,
+            "positions": {
+                "type": "array",
+                "maxItems": 500,
+                "description": "The queued jobs whose position moved, and where they stand now.",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["id", "queue_position"],
+                    "properties": {
+                        "id": _UUID,
+                        "queue_position": {"type": "integer", "minimum": 1},
+                    },
+                },
+            },
+        },
+    },
+    "SnapshotData": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["id", "kind", "at", "analyses", "next"],
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "description": "The latest event id."},
+            "kind": {"const": "snapshot"},
+            "at": _TIMESTAMP,
+            "analyses": {"type": "array", "items": _ref("JobSummary")},
+            "next": {
+                "type": ["string", "null"],
+                "description": "The cursor of the page after these (`GET /v1/analyses?cursor=`); "
+                "null: these are all.",
+            },
+        },
+    },
     "Job": {
         "type": "object",
         "description": "An analysis job, whole: its summary with its sources and verdicts.",
@@ -357,6 +452,9 @@ class Operation:
     ok_headers: dict[str, dict[str, Any]] = field(default_factory=dict)
     description: str = ""
     tag: str = "analyses"
+    # A text/event-stream answer: the schema of each of its events (OpenAPI 3.1 reads
+    # ``schema`` of a sequential media type per item, as schemathesis does).
+    event_schema: str | None = None
 
 
 _CREATED_HEADERS = {
@@ -500,6 +598,7 @@ OPERATIONS: dict[RouteKey, Operation] = {
         "The caller's job changes as Server-Sent Events",
         {200: "text/event-stream"},
         (401, 429, 503),
+        event_schema="StreamEvent",
         parameters=(
             {
                 "name": "Last-Event-ID",
@@ -538,8 +637,9 @@ OPERATIONS: dict[RouteKey, Operation] = {
             "`GET /v1/analyses` and its cursor) first when there is no usable Last-Event-ID. "
             "Event ids increase per user in commit order; reconnect with `Last-Event-ID` to "
             "receive what was missed, then the live stream. Idle streams get a `: keepalive` "
-            "comment every 15 s. At most 20 streams per user are open at once (429 "
-            "too_many_streams, with Retry-After)."
+            "comment every 15 s. A stream ends after 30 minutes (reconnect with Last-Event-ID: "
+            "nothing is lost). At most 20 streams per user are open at once (429 "
+            "too_many_streams, with Retry-After). Each event is described by StreamEvent."
         ),
         tag="events",
     ),
@@ -606,7 +706,10 @@ def _operation(key: RouteKey, op: Operation) -> dict[str, Any]:
     responses: dict[str, Any] = {}
     for status, answer in op.ok.items():
         content = (
-            {media.strip(): {"schema": {"type": "string"}} for media in answer.split(",")}
+            {
+                media.strip(): {"schema": _text_schema(op, media.strip())}
+                for media in answer.split(",")
+            }
             if "/" in answer
             else {"application/json": {"schema": _ref(answer)}}
         )
@@ -640,6 +743,12 @@ def _operation(key: RouteKey, op: Operation) -> dict[str, Any]:
     if missing:
         raise DocumentError(f"{key[0]} {key[1]}: path parameters {missing} are not described")
     return spec
+
+
+def _text_schema(op: Operation, media: str) -> dict[str, Any]:
+    if media == EVENT_STREAM and op.event_schema is not None:
+        return _ref(op.event_schema)
+    return {"type": "string"}
 
 
 def _path_params(path: str) -> list[str]:

@@ -79,6 +79,10 @@ class HubSettings:
     max_streams_per_user: int = 20
     max_streams: int = 5000  # per instance
     retry_ms: int = 2000  # the reconnect delay the stream asks EventSource for
+    # A stream ends after this long; the client reconnects with Last-Event-ID and misses
+    # nothing. Bounds what one connection holds, and spreads streams over instances again
+    # after a deploy.
+    max_stream_s: float = 1800.0
     positions_per_frame: int = 500  # entries of one position frame
 
 
