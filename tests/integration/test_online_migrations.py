@@ -432,3 +432,40 @@ async def test_a_repeatable_waits_and_retries_like_a_migration(
         )
         != "stale"
     )
+
+
+# -- data changes in batches -----------------------------------------------------------------
+
+ADD_TITLE = Migration(9103, "analysis_jobs_title", "ALTER TABLE analysis_jobs ADD title text;\n")
+BACKFILL_TITLE = Migration(
+    9104,
+    "analysis_jobs_title_backfill",
+    """-- The recipe of docs/operations.md, "Data changes": each batch commits on its own, so no
+-- transaction holds thousands of row locks, and a run cut short goes on where it stopped.
+-- aq:no-transaction
+DO $$
+DECLARE
+    changed integer;
+BEGIN
+    LOOP
+        UPDATE analysis_jobs SET title = thesis->>'title'
+         WHERE id IN (SELECT id FROM analysis_jobs WHERE title IS NULL LIMIT 1000);
+        GET DIAGNOSTICS changed = ROW_COUNT;
+        EXIT WHEN changed = 0;
+        COMMIT;
+    END LOOP;
+END
+$$;
+""",
+)
+
+
+async def test_a_backfill_commits_batch_by_batch(database_url: str) -> None:
+    await _seed(database_url, 2_500)
+    applied = await apply_migrations(database_url, numbered=_with(ADD_TITLE, BACKFILL_TITLE))
+    assert applied == [9103, 9104]
+    assert (
+        await fetchval(database_url, "SELECT count(*) FROM analysis_jobs WHERE title IS NULL") == 0
+    )
+    # Each batch is its own transaction: the rows carry three writers' transaction ids.
+    assert await fetchval(database_url, "SELECT count(DISTINCT xmin::text) FROM analysis_jobs") == 3
