@@ -4,10 +4,11 @@ A run (at every start, and ``analysis-queue migrate``) holds a session advisory 
 instances that start together apply each file once: the second waits, then finds nothing to do.
 
 1. **Numbered** (``sql/migrations/NNNN_name.sql``): tables, columns, indexes and data, applied
-   in version order, each in its own transaction, recorded in ``aq_schema_migrations`` with a
-   checksum. An applied one never changes: a changed text stops the start (add a new one). An
-   empty database gets the baseline file instead of the history it stands for; a database with
-   history older than the baseline is refused (upgrade through the release that wrote it).
+   in version order, each in its own transaction (or statement by statement, below), recorded
+   in ``aq_schema_migrations`` with a checksum. An applied one never changes: a changed text
+   stops the start (add a new one). An empty database gets the baseline file instead of the
+   history it stands for; a database with history older than the baseline is refused (upgrade
+   through the release that wrote it).
 2. **Repeatable** (``sql/functions/*.sql``, then ``triggers/*.sql``): every function, trigger
    function and trigger, in the present tense, re-applied whenever a file's text differs from
    what ``aq_schema_repeatables`` records (``CREATE OR REPLACE``). An instance that finds a
