@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from analysis_queue.store.sqlfiles import migrations
 from procs import SECRETS, base_env, cli
 from support import fetch, free_port
 
@@ -79,6 +80,36 @@ async def test_a_failed_migration_ends_the_start(tmp_path: Path, database_url: s
     assert "Traceback" not in out, out
     code, out, _ = _run(cli("migrate"), _complete(tmp_path, AQ_DATABASE_URL=database_url))
     assert code == EXIT_FAILED and "cannot migrate" in out, out
+
+
+# A release whose next migration the server refuses, as a real process meets it: this code's
+# migrations and, after them, one with a type that does not exist.
+_BROKEN_MIGRATION = """
+import sys
+from analysis_queue.store import migrate
+from analysis_queue.store.sqlfiles import Migration, migrations
+
+broken = Migration(
+    migrations()[-1].version + 1,
+    "add_reviewer",
+    "ALTER TABLE analysis_jobs ADD COLUMN reviewer no_such_type;",
+)
+migrate.migrations = lambda: (*migrations(), broken)
+from analysis_queue.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_broken_migration_ends_the_start_naming_it(tmp_path: Path, database_url: str) -> None:
+    """Not a traceback of an asyncpg exception: the version, the name, the server's message."""
+    env = _complete(tmp_path, AQ_DATABASE_URL=database_url)
+    version = migrations()[-1].version + 1
+    for command, said in (("serve", "cannot start"), ("migrate", "cannot migrate")):
+        code, out, _ = _run([sys.executable, "-c", _BROKEN_MIGRATION, command], env)
+        assert code == EXIT_FAILED, out
+        assert f"{said}: migration {version} (add_reviewer) failed: type " in out, out
+        assert "no_such_type" in out and "does not exist [42704]" in out, out
+        assert "Traceback" not in out, out
 
 
 # A bug in a background loop, as a real process meets it: the sweep's pass raises past its

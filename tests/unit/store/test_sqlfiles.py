@@ -9,10 +9,17 @@ from pathlib import Path
 
 import pytest
 from analysis_queue.store.sqlfiles import (
+    NO_TRANSACTION,
+    IndexBuild,
+    index_builds,
+    load_migrations,
     migrations,
+    parse_directives,
     parse_queries,
     queries,
     repeatables,
+    split_statements,
+    sql_code,
     sql_dir,
 )
 
@@ -149,3 +156,100 @@ def test_user_lock_key_is_spelled_once() -> None:
     assert function is not None
     assert "'analysis_queue:'" in function.group(1)
     assert function.start(1) < hits[0][1] < function.end(1)
+
+
+# -- directives and statements: what a no-transaction migration runs ------------------------
+
+
+def test_directives_are_read_from_the_opening_comment() -> None:
+    text = "-- 0013_x: what it does\n-- aq:no-transaction\n\nCREATE INDEX CONCURRENTLY ...;\n"
+    assert parse_directives(text) == {NO_TRANSACTION}
+    assert parse_directives("-- 0013_x\nALTER TABLE t ADD COLUMN c int;\n") == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("-- aq:no-transactions\nSELECT 1;\n", "unknown directive"),
+        ("-- aq:\nSELECT 1;\n", "unknown directive"),
+        ("SELECT 1;\n-- aq:no-transaction\nSELECT 2;\n", "opening comment"),
+    ],
+)
+def test_a_misspelled_or_misplaced_directive_is_refused(text: str, error: str) -> None:
+    """A typo must not quietly run a CONCURRENTLY migration in a transaction (or the reverse)."""
+    with pytest.raises(ValueError, match=error):
+        parse_directives(text)
+
+
+def test_the_existing_migrations_run_in_a_transaction_as_before() -> None:
+    assert [m.no_transaction for m in migrations()] == [False] * len(migrations())
+
+
+def test_statements_split_at_semicolons_outside_strings_and_comments() -> None:
+    sql = (
+        "-- header; with a semicolon\n"
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS a ON t (x); -- trailing; comment\n"
+        "/* block ; /* nested ; */ still */\n"
+        "UPDATE t SET s = 'a;b''c' WHERE d = $$x;y$$ AND e = E'\\';' ;\n"
+        'SELECT $tag$ ; $$ ; $tag$, "we;ird", $1\n'
+        ";\n"
+        "-- only a comment at the end;\n"
+    )
+    assert split_statements(sql) == [
+        "-- header; with a semicolon\nCREATE INDEX CONCURRENTLY IF NOT EXISTS a ON t (x)",
+        "-- trailing; comment\n/* block ; /* nested ; */ still */\n"
+        "UPDATE t SET s = 'a;b''c' WHERE d = $$x;y$$ AND e = E'\\';'",
+        'SELECT $tag$ ; $$ ; $tag$, "we;ird", $1',
+    ]
+
+
+def test_the_baseline_splits_into_its_statements() -> None:
+    """Its comments hold semicolons too; each statement still starts with its keyword."""
+    baseline = migrations()[0]
+    ends = [line for line in baseline.sql.splitlines() if re.search(r"^[^-].*;\s*$", line)]
+    keywords = [sql_code(s).split()[0] for s in baseline.statements]
+    assert len(keywords) == len(ends)
+    assert set(keywords) <= {"CREATE", "INSERT", "ALTER"}, keywords
+
+
+def test_index_builds_are_found_in_code_only() -> None:
+    sql = (
+        "-- CREATE INDEX commented ON t (x);\n"
+        "SELECT 'CREATE INDEX in_a_string ON t (x)';\n"
+        "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS public.u ON ONLY s.t (x);\n"
+        'CREATE INDEX "Odd ""name""" ON t (y);\n'
+        "create index on t (z);\n"
+    )
+    assert index_builds(sql) == [
+        IndexBuild("public.u", "s.t", unique=True, concurrently=True, if_not_exists=True),
+        IndexBuild('"Odd ""name"""', "t", unique=False, concurrently=False, if_not_exists=False),
+        IndexBuild(None, "t", unique=False, concurrently=False, if_not_exists=False),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("sql", "error"),
+    [
+        # CONCURRENTLY cannot run in a transaction: said at load, not on the server mid-deploy.
+        ("CREATE INDEX CONCURRENTLY IF NOT EXISTS i ON t (x);", "aq:no-transaction"),
+        # Runs again from the top after a failure: every build must be re-runnable, and named
+        # so that an invalid leftover can be found.
+        ("-- aq:no-transaction\nCREATE INDEX CONCURRENTLY i ON t (x);", "IF NOT EXISTS"),
+        ("-- aq:no-transaction\nCREATE INDEX CONCURRENTLY ON t (x);", "IF NOT EXISTS <name>"),
+        ("-- aq:no-transactoin\nSELECT 1;", "unknown directive"),
+    ],
+)
+def test_loading_refuses_a_migration_the_runner_cannot_run_safely(
+    tmp_path: Path, sql: str, error: str
+) -> None:
+    (tmp_path / "0013_bad.sql").write_text(sql)
+    with pytest.raises(ValueError, match=f"0013_bad.sql: .*{re.escape(error)}"):
+        load_migrations(tmp_path)
+
+
+def test_a_directive_does_not_change_how_the_checksum_is_taken(tmp_path: Path) -> None:
+    text = "-- 0013_x\n-- aq:no-transaction\nCREATE INDEX CONCURRENTLY IF NOT EXISTS i ON t (x);\n"
+    (tmp_path / "0013_x.sql").write_text(text)
+    (loaded,) = load_migrations(tmp_path)
+    assert loaded.no_transaction
+    assert loaded.checksum == hashlib.sha256(text.encode()).hexdigest()
