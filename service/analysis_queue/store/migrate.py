@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 # A key of its own for the migration run (not a queue lock: docs/locking.md). Session-level,
 # on a dedicated connection.
-_LOCK_SQL = "SELECT pg_advisory_lock(hashtextextended('analysis_queue_migrations', 0))"
+_TRY_LOCK_SQL = "SELECT pg_try_advisory_lock(hashtextextended('analysis_queue_migrations', 0))"
 _UNLOCK_SQL = "SELECT pg_advisory_unlock(hashtextextended('analysis_queue_migrations', 0))"
 _CREATE_HISTORY = """
     CREATE TABLE IF NOT EXISTS aq_schema_migrations (
@@ -95,6 +95,9 @@ class LockPolicy:
     retry_for_s: float = 60.0
     backoff_base_s: float = 0.25
     backoff_max_s: float = 10.0
+    # How long a run waits for another instance's run to end (it may build an index).
+    run_wait_s: float = 600.0
+    run_poll_s: float = 0.5
 
     def backoff_s(self, attempt: int) -> float:
         """The pause after the ``attempt``-th try timed out (1-based)."""
@@ -434,6 +437,26 @@ async def _apply_repeatable(
     log.info("repeatable applied", extra=step.log_extra)
 
 
+async def _take_run_lock(conn: asyncpg.Connection[Any], locks: LockPolicy) -> None:
+    """Wait for another instance's run to end by trying the run lock again and again, never by
+    a waiting ``pg_advisory_lock``: a waiting statement holds a snapshot, ``CREATE INDEX
+    CONCURRENTLY`` waits for every statement in the database whose snapshot is older than its
+    own, and the waiter waits for the builder's lock, a deadlock. Bounded by
+    ``locks.run_wait_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + locks.run_wait_s
+    while True:
+        with wrap_errors():
+            if await conn.fetchval(_TRY_LOCK_SQL):
+                return
+        if loop.time() >= deadline:
+            raise MigrationError(
+                f"another instance's migration run has held the lock for over "
+                f"{locks.run_wait_s:g} s"
+            )
+        await asyncio.sleep(random.uniform(locks.run_poll_s / 2, locks.run_poll_s))
+
+
 async def apply_migrations(
     dsn: str,
     *,
@@ -452,10 +475,7 @@ async def apply_migrations(
             dsn, timeout=CONNECT_TIMEOUT_S, server_settings={"application_name": "aq-migrate"}
         )
     try:
-        # The run lock waits as long as another instance's run takes (the session's own
-        # lock_timeout, by default none); the short timeouts are for the DDL, set after it.
-        with wrap_errors():
-            await conn.execute(_LOCK_SQL)
+        await _take_run_lock(conn, locks)
         try:
             with wrap_errors():
                 await _set_lock_timeout(conn, locks.lock_timeout_s)
