@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bouncer import PGBOUNCER, Route
 from procs import SECRETS, base_env, cli
 from support import fetch, free_port
 
@@ -67,6 +68,31 @@ def test_an_unreachable_database_ends_the_start_after_its_bound(tmp_path: Path) 
     assert "pw@" not in out, "the password stays out of the logs"
     assert "Traceback" not in out, out
     assert 1.5 <= took < 30, took
+
+
+def test_a_transaction_pooler_without_a_direct_url_stops_the_start(
+    tmp_path: Path, database_url: str
+) -> None:
+    env = _complete(tmp_path, AQ_DATABASE_URL=database_url, AQ_DATABASE_POOLER="transaction")
+    code, out, _ = _run(cli("serve"), env)
+    assert code == EXIT_CONFIG, out
+    assert "AQ_DIRECT_DATABASE_URL: not set (AQ_DATABASE_POOLER=transaction: LISTEN" in out, out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("db_route", [PGBOUNCER], indirect=True)
+def test_pgbouncer_without_the_pooler_setting_stops_the_start_at_once(
+    tmp_path: Path, database_url: str, db_route: Route
+) -> None:
+    """PgBouncer refuses the pool's startup parameters; no retry helps, so no 30 s of them."""
+    url = db_route.bouncer(database_url).url(database_url)
+    env = _complete(tmp_path, AQ_DATABASE_URL=url, AQ_DIRECT_DATABASE_URL=database_url)
+    code, out, took = _run(cli("serve"), env)
+    assert code == EXIT_FAILED, out
+    assert f"127.0.0.1:{db_route.bouncer(database_url).port} (AQ_DATABASE_URL)" in out, out
+    assert "refused a startup parameter" in out and "lock_timeout" in out, out
+    assert "set AQ_DATABASE_POOLER=transaction" in out, out
+    assert "Traceback" not in out and took < 20, took
 
 
 async def test_a_failed_migration_ends_the_start(tmp_path: Path, database_url: str) -> None:
