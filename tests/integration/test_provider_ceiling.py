@@ -49,11 +49,19 @@ async def _ready(h: Harness) -> int:
 
 
 async def _settled(h: Harness, ceiling: int = CEILING) -> bool:
-    """No release in flight, and every free slot that someone waits for is taken."""
-    pending = await fetchval(
-        h.database_url, "SELECT count(*) FROM analysis_jobs WHERE status = 'pending'"
+    """No release in flight, and every free slot that someone waits for is taken. One
+    statement, one snapshot: counted apart, a promotion landing between the counts reads as
+    "nothing pending, slots full" while the promoted job is still pending."""
+    rows = await fetch(
+        h.database_url,
+        """SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
+                  count(*) FILTER (WHERE status IN ('pending', 'running')) AS active,
+                  count(*) FILTER (WHERE status = 'queued' AND waiting_for = 'provider_capacity')
+                      AS ready
+             FROM analysis_jobs""",
     )
-    return pending == 0 and (await _active(h) >= ceiling or await _ready(h) == 0)
+    counts = rows[0]
+    return counts["pending"] == 0 and (counts["active"] >= ceiling or counts["ready"] == 0)
 
 
 async def _finish_oldest_running(h: Harness, ceiling: int = CEILING) -> None:
