@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+import bouncer
 import pytest
 from analysis_queue.store.migrate import apply_migrations
 
@@ -106,3 +107,18 @@ async def empty_database(pg_server: str) -> object:
     await _admin(pg_server, f"CREATE DATABASE {name}")
     yield with_database(pg_server, name)
     await _admin(pg_server, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def db_route(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[bouncer.Route]:
+    """How the test's service instances reach the database: ``direct`` unless the test asks for
+    ``pgbouncer`` (``parametrize("db_route", bouncer.ROUTES, indirect=True)``), which skips,
+    saying why, where pgbouncer is not installed. Stops every PgBouncer it started."""
+    kind = getattr(request, "param", bouncer.DIRECT)
+    if kind == bouncer.PGBOUNCER and (reason := bouncer.missing()):
+        pytest.skip(reason)
+    route = bouncer.Route(kind, tmp_path)
+    try:
+        yield route
+    finally:
+        route.close()

@@ -116,16 +116,21 @@ class Instance:
 
 @dataclass
 class Harness:
+    """Service instances in-process on one database (``database_url``, which the test's own
+    queries use), reached the ``route``'s way: directly, or through PgBouncer (tests/bouncer.py)."""
+
     database_url: str
     tmp: Path
     sim: CoreSimulator
     http: aiohttp.ClientSession
     instances: list[Instance] = field(default_factory=list)
+    route: Any = None  # a bouncer.Route; None: direct
 
     async def start_instance(self, **overrides: Any) -> Instance:
         port = free_port()
         values: dict[str, Any] = {
             "database_url": self.database_url,
+            **(self.route.settings(self.database_url) if self.route is not None else {}),
             "core_url": self.sim.base_url,
             "core_callback_secret": CALLBACK_SECRET,
             "jwt_secret": JWT_SECRET,

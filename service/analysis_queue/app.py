@@ -1,12 +1,13 @@
 """Wiring: build the aiohttp application and own the lifecycle of everything it runs.
 
 Start order (``cleanup_ctx``): database (the development server when ``embedded`` is asked for;
-waited for up to ``AQ_STARTUP_TIMEOUT_S``; migrations; the pool) -> Core (the client, or the
-in-process simulator when ``simulator`` is asked for) -> queue services (dispatcher, listener,
-sweep, event hub). Shutdown runs it backwards after aiohttp has stopped taking requests and
-waited for in-flight ones; open event streams are woken first (``on_shutdown``) so that wait is
-short. If a background loop dies, the instance reports it and stops instead of limping on; a
-start that cannot complete raises :class:`StartupError`, which says why in one line.
+waited for up to ``AQ_STARTUP_TIMEOUT_S``; migrations on the direct URL; the pool) -> Core (the
+client, or the in-process simulator when ``simulator`` is asked for) -> queue services
+(dispatcher, listener, sweep, event hub). Shutdown runs it backwards after aiohttp has stopped
+taking requests and waited for in-flight ones; open event streams are woken first
+(``on_shutdown``) so that wait is short. If a background loop dies, the instance reports it and
+stops instead of limping on; a start that cannot complete raises :class:`StartupError`, which
+says why in one line.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -43,6 +45,7 @@ from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.followup import FollowUp, Trigger
 from analysis_queue.queue.promote import Promoter
 from analysis_queue.store.database import Database
+from analysis_queue.store.driver import StartupParametersRefused
 from analysis_queue.store.embedded import EmbeddedUnavailable, start_embedded
 from analysis_queue.store.migrate import apply_migrations
 from analysis_queue.store.sim_runs import PgRunStore
@@ -59,46 +62,71 @@ class StartupError(RuntimeError):
     """The instance cannot start; the message says why and what to set."""
 
 
-async def resolve_dsn(settings: Settings) -> str:
+@dataclass(frozen=True)
+class Dsns:
+    """Where the instance connects: the pool (``AQ_DATABASE_URL``, maybe a transaction pooler)
+    and the connections that need a session (``AQ_DIRECT_DATABASE_URL``: LISTEN, migrations)."""
+
+    pool: str
+    direct: str
+
+    def variable(self, dsn: str) -> str:
+        """The setting that names ``dsn``, for messages."""
+        return "AQ_DATABASE_URL" if dsn == self.pool else "AQ_DIRECT_DATABASE_URL"
+
+
+async def resolve_dsns(settings: Settings) -> Dsns:
     if settings.database_url == EMBEDDED:
         try:
-            return await asyncio.to_thread(start_embedded, settings.data_dir)
+            dsn = await asyncio.to_thread(start_embedded, settings.data_dir)
         except EmbeddedUnavailable as exc:
             raise StartupError(str(exc)) from exc
+        return Dsns(dsn, dsn)
     if not settings.database_url:
         raise StartupError("AQ_DATABASE_URL is not set")
-    return settings.database_url
+    return Dsns(settings.database_url, settings.direct_url or settings.database_url)
 
 
-async def open_database(settings: Settings, dsn: str) -> Database:
-    """Migrate and open the pool, waiting up to ``startup_timeout_s`` for a database that does
-    not answer yet (a container starting beside it, a restart), with each attempt logged."""
+async def open_database(settings: Settings, dsns: Dsns) -> Database:
+    """Migrate (on the direct URL) and open the pool, waiting up to ``startup_timeout_s`` for a
+    database that does not answer yet (a container starting beside it, a restart), with each
+    attempt logged."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.startup_timeout_s
     delay, attempt = 0.2, 0
     while True:
         attempt += 1
+        trying = dsns.direct
         try:
-            await apply_migrations(dsn)
+            await apply_migrations(dsns.direct)
+            trying = dsns.pool
             return await Database.connect(
-                dsn,
+                dsns.pool,
+                direct_dsn=dsns.direct,
+                pooler=settings.database_pooler,
                 min_size=settings.pool_min_size,
                 max_size=settings.pool_max_size,
                 application_name=f"analysis-queue {settings.instance_id}",
             )
+        except StartupParametersRefused as exc:
+            raise StartupError(
+                f"the database at {dsn_address(trying)} ({dsns.variable(trying)}) refused a "
+                f"startup parameter ({exc}): it is a connection pooler; set "
+                "AQ_DATABASE_POOLER=transaction and AQ_DIRECT_DATABASE_URL (docs/operations.md)"
+            ) from exc
         except errors.DatabaseUnavailable as exc:
             cause = f"{type(exc.__cause__).__name__}: {exc.__cause__}" if exc.__cause__ else exc
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise StartupError(
-                    f"the database at {dsn_address(dsn)} (AQ_DATABASE_URL) did not answer "
-                    f"within {settings.startup_timeout_s:g} s: {cause}"
+                    f"the database at {dsn_address(trying)} ({dsns.variable(trying)}) did not "
+                    f"answer within {settings.startup_timeout_s:g} s: {cause}"
                 ) from exc
             log.warning(
                 "database unreachable; trying again",
                 extra={
                     "action": "start",
-                    "address": dsn_address(dsn),
+                    "address": dsn_address(trying),
                     "attempt": attempt,
                     "reason": str(cause),
                 },
@@ -127,8 +155,8 @@ def build_app(
     app.add_routes(openapi.routes)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        dsn = await resolve_dsn(settings)
-        db = await open_database(settings, dsn)
+        dsns = await resolve_dsns(settings)
+        db = await open_database(settings, dsns)
         simulator: CoreSimulator | None = None
         core_url = settings.core_url or ""
         if core_url == SIMULATOR:
@@ -137,7 +165,7 @@ def build_app(
                 callback_secret=settings.secret("core_callback_secret"),
                 judge_time_s=settings.sim_judge_time_s,
                 # Beside the jobs that wait for them: a restart keeps both.
-                store=PgRunStore(dsn),
+                store=PgRunStore(dsns.direct),  # one long session, its statements cached
             )
             core_url = await simulator.start()
         core = CoreClient(core_url, timeout_s=settings.core_timeout_s)
@@ -154,7 +182,9 @@ def build_app(
                 "action": "start",
                 "instance": settings.instance_id,
                 "mode": settings.mode,
-                "database": safe_dsn(dsn),
+                "database": safe_dsn(dsns.pool),
+                "direct_database": safe_dsn(dsns.direct),
+                "pooler": settings.database_pooler,
                 "core": "the simulator (it invents verdicts)" if simulator else core_url,
             },
         )

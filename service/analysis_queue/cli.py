@@ -22,9 +22,10 @@ import aiohttp
 from aiohttp import web
 
 from analysis_queue import logs
-from analysis_queue.app import StartupError, build_app, resolve_dsn
+from analysis_queue.app import StartupError, build_app, resolve_dsns
 from analysis_queue.config import (
     EMBEDDED,
+    REQUIRED_BECAUSE,
     SIMULATOR,
     Settings,
     missing_for_serve,
@@ -86,12 +87,9 @@ def _serve(_args: argparse.Namespace) -> int:
     logs.configure(settings.log_level)
     missing = missing_for_serve(settings)
     if missing:
-        raise ConfigError(
-            "\n".join(
-                f"{name}: not set (serve needs it; `analysis-queue dev` runs without)"
-                for name in missing
-            )
-        )
+        usual = "serve needs it; `analysis-queue dev` runs without"
+        lines = [f"{name}: not set ({REQUIRED_BECAUSE.get(name, usual)})" for name in missing]
+        raise ConfigError("\n".join(lines))
 
     def banner() -> None:
         print(f"analysis-queue listening on http://{settings.host}:{settings.port}", flush=True)
@@ -152,7 +150,7 @@ def _migrate(_args: argparse.Namespace) -> int:
     logs.configure(settings.log_level)
 
     async def run() -> list[int]:
-        return await apply_migrations(await resolve_dsn(settings))
+        return await apply_migrations((await resolve_dsns(settings)).direct)
 
     try:
         applied = asyncio.run(run())

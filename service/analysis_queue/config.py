@@ -7,6 +7,11 @@ stand-ins by name: ``AQ_DATABASE_URL=embedded`` (a PostgreSQL server under ``DAT
 ``AQ_CORE_URL=simulator`` (the Core simulator in-process), and secrets generated once and kept in
 ``DATA_DIR/secrets.json``. An ``AQ_`` variable that is not a setting stops every command
 (:func:`unknown_variables`), with the name it looks like.
+
+Two database URLs: ``AQ_DATABASE_URL`` for the pool, which may be a transaction-pooling
+PgBouncer (``AQ_DATABASE_POOLER=transaction``), and ``AQ_DIRECT_DATABASE_URL`` (default: the
+same) for what needs a session of its own: LISTEN, migrations, the simulator's store
+(docs/operations.md, "Behind PgBouncer").
 """
 
 from __future__ import annotations
@@ -29,8 +34,25 @@ ENV_PREFIX = "AQ_"
 EMBEDDED = "embedded"  # AQ_DATABASE_URL: the development server under DATA_DIR
 SIMULATOR = "simulator"  # AQ_CORE_URL: the Core simulator, in-process
 SECRET_NAMES = ("jwt_secret", "admin_token", "core_callback_secret")
+_DSN_FIELDS = frozenset({"database_url", "direct_database_url"})
 # Read by the tests and the benchmark, never by the service.
 TOOLING_VARIABLES = frozenset({"AQ_TEST_DATABASE_URL", "AQ_BENCH_DATABASE_URL"})
+
+
+class Pooler(StrEnum):
+    """What ``AQ_DATABASE_URL`` points at, as far as the pool's connections can tell."""
+
+    NONE = "none"  # PostgreSQL itself, or a pooler in session mode: a connection is a session
+    # PgBouncer in transaction mode: a connection is a session only for one transaction, takes no
+    # startup parameter but application_name, and keeps no prepared statement (before 1.21).
+    TRANSACTION = "transaction"
+
+
+# Why a variable is required beyond "serve needs it"; shown beside its name.
+REQUIRED_BECAUSE = {
+    "AQ_DIRECT_DATABASE_URL": "AQ_DATABASE_POOLER=transaction: LISTEN and migrations need a "
+    "direct connection to PostgreSQL",
+}
 
 
 class Mode(StrEnum):
@@ -53,6 +75,16 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         default=None,
         description="PostgreSQL DSN; `embedded` for the development server in DATA_DIR.",
+    )
+    direct_database_url: str | None = Field(
+        default=None,
+        description="DSN of a direct connection to PostgreSQL, for LISTEN and migrations; "
+        "default AQ_DATABASE_URL. Required with AQ_DATABASE_POOLER=transaction.",
+    )
+    database_pooler: Pooler = Field(
+        default=Pooler.NONE,
+        description="`transaction` when AQ_DATABASE_URL is PgBouncer in transaction mode: the "
+        "pool sends no startup parameter and caches no prepared statement.",
     )
     core_url: str | None = Field(
         default=None, description="Base URL of Core; `simulator` for the in-process simulator."
@@ -155,7 +187,12 @@ class Settings(BaseSettings):
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         # Secrets are SecretStr; a database URL may carry a password of its own.
         for name, value in super().__repr_args__():
-            yield name, safe_dsn(value) if name == "database_url" and value else value
+            yield name, safe_dsn(value) if name in _DSN_FIELDS and value else value
+
+    @property
+    def direct_url(self) -> str | None:
+        """The URL of the connections that need a session: the direct one, else the pool's."""
+        return self.direct_database_url or self.database_url
 
     @property
     def mode(self) -> Mode:
@@ -172,8 +209,11 @@ def env_name(field: str) -> str:
 
 
 def missing_for_serve(settings: Settings) -> list[str]:
-    """The variables ``serve`` cannot start without: the database, Core, the three secrets."""
-    required = ("database_url", "core_url", *SECRET_NAMES)
+    """The variables ``serve`` cannot start without: the database, Core, the three secrets, and
+    behind a transaction pooler the direct database URL (:data:`REQUIRED_BECAUSE`)."""
+    required: tuple[str, ...] = ("database_url", "core_url", *SECRET_NAMES)
+    if settings.database_pooler is Pooler.TRANSACTION:
+        required = (*required[:1], "direct_database_url", *required[1:])
     return [env_name(name) for name in required if not getattr(settings, name)]
 
 

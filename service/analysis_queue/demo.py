@@ -20,8 +20,8 @@ import aiohttp
 from aiohttp import web
 
 from analysis_queue import logs
-from analysis_queue.app import build_app, resolve_dsn
-from analysis_queue.config import SIMULATOR, Settings
+from analysis_queue.app import build_app, resolve_dsns
+from analysis_queue.config import SIMULATOR, Pooler, Settings
 from analysis_queue.http.auth import mint_token
 from analysis_queue.http.state import SERVICES
 from analysis_queue.store.scratch import scratch_database
@@ -39,11 +39,14 @@ async def run_demo(settings: Settings, *, theses: int = 5, judge_time_s: float =
     """Replay the scenario; ``settings`` as ``dev`` takes them (stand-ins for what is unset)."""
     logs.configure("WARNING")
     settings = settings.for_development()
-    async with scratch_database(await resolve_dsn(settings), "aq_demo") as dsn:
+    # On the server itself: a pooler in front of it may not know the new database.
+    async with scratch_database((await resolve_dsns(settings)).direct, "aq_demo") as dsn:
         port = _free_port()
         demo_settings = settings.model_copy(
             update={
                 "database_url": dsn,
+                "direct_database_url": None,
+                "database_pooler": Pooler.NONE,
                 "core_url": SIMULATOR,  # the demo's own, whatever Core the environment names
                 "port": port,
                 "sim_judge_time_s": judge_time_s,

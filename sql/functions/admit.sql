@@ -11,7 +11,7 @@ CREATE OR REPLACE FUNCTION aq_reserve_v1(
     p_user_id text, p_run_id uuid, p_job_id uuid, p_cost integer,
     p_thesis jsonb, p_sources jsonb, p_idempotency_key text, p_request_hash text,
     OUT outcome text, OUT job_id uuid, OUT balance bigint)
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_hash text;
 BEGIN
@@ -68,7 +68,7 @@ CREATE OR REPLACE FUNCTION aq_admit_v2(
     p_thesis jsonb, p_sources jsonb, p_cost integer, p_delta_of uuid,
     p_idempotency_key text, p_request_hash text,
     OUT job analysis_jobs, OUT queue_position bigint, OUT promoted analysis_jobs[])
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_ceiling integer;
     v_now timestamptz;

@@ -7,7 +7,7 @@
 -- Grant credits (admin). Returns the new balance.
 CREATE OR REPLACE FUNCTION aq_credit_grant_v1(p_user_id text, p_amount bigint, p_note text)
 RETURNS bigint
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_balance bigint;
 BEGIN

@@ -23,7 +23,7 @@ CREATE OR REPLACE FUNCTION aq_finish_v2(
     p_error_code text, p_error_detail text, p_verdicts jsonb, p_ran boolean,
     OUT job analysis_jobs, OUT old_status text, OUT changed boolean, OUT refunded boolean,
     OUT promoted analysis_jobs[])
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_user text;
     v_id uuid;

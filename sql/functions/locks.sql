@@ -4,7 +4,9 @@
 -- before changing any function that calls these.
 --
 -- All are transaction-scoped (released at commit or rollback: no leaked lock after an error)
--- and bounded by the session's lock_timeout (55P03). Each takes its lock in a statement of its
+-- and bounded by lock_timeout (55P03): every function the queries call declares it
+-- (SET lock_timeout = '10s'), so the bound holds however the caller connected, a transaction
+-- pooler included (docs/locking.md, "The bound"). Each takes its lock in a statement of its
 -- own, so under READ COMMITTED the caller's next statement sees everything committed by the
 -- lock's previous holder.
 

@@ -169,7 +169,7 @@ $$;
 CREATE OR REPLACE FUNCTION aq_promote_v2(
     p_users text[], p_max integer, OUT ceiling integer, OUT job analysis_jobs)
 RETURNS SETOF record
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_user text;
     v_users text[];
@@ -252,7 +252,7 @@ CREATE OR REPLACE FUNCTION aq_promote_woken_v1(
     p_users text[], p_max integer,
     OUT ceiling integer, OUT job analysis_jobs, OUT promoted boolean)
 RETURNS SETOF record
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_user text;
     v_users text[] := '{}';
@@ -337,7 +337,7 @@ $$;
 -- Set the ceiling (NULL: off). Waits for every decision in flight under the old value. The
 -- caller then runs promotion passes to fill what a raise (or turning it off) freed.
 CREATE OR REPLACE FUNCTION aq_set_ceiling_v1(p_ceiling integer) RETURNS integer
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 BEGIN
     PERFORM aq_lock_global_v1();
     UPDATE queue_settings
@@ -351,7 +351,7 @@ $$;
 -- changes. Returns the jobs promoted (ceiling off), at most limit - active.
 CREATE OR REPLACE FUNCTION aq_set_user_limit_v1(p_user_id text, p_max_running integer)
 RETURNS SETOF analysis_jobs
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_ceiling integer := aq_ceiling_v2();
 BEGIN

@@ -10,7 +10,7 @@
 -- ("mark running" and why).
 CREATE OR REPLACE FUNCTION aq_mark_running_v1(p_job_ids uuid[], p_instance text)
 RETURNS SETOF analysis_jobs
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_user text;
     v_id uuid;

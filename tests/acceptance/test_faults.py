@@ -15,6 +15,13 @@ stopped and its data deleted when the test ends, whatever happened; its log is k
 service logs. With ``AQ_TEST_PG_RESTART_CMD`` set, the test uses the ``database_url`` fixture
 instead and restarts that server with the command. If the private server cannot start here, the
 test runs on the ``database_url`` fixture and skips only the restart, saying why.
+
+It runs twice: with the instances connected directly, and with their pools through a
+PgBouncer in transaction mode in front of that server (tests/bouncer.py), their listeners and
+migrations direct, which is checked after the start and after the restart. Through PgBouncer it
+runs the steps where the connection path matters (``POOLED_STEPS``: kills, a graceful stop, the
+listeners cut, the restart), not Core's faults, which reach the database only through the
+statements the others run.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import asyncpg
 import pytest
 from analysis_queue.http.auth import mint_token
 from analysis_queue.store.migrate import apply_migrations
+from bouncer import ROUTES, Route
 from procs import (
     RELEASE_BACKOFF_MAX_S,
     RELEASE_WINDOW_S,
@@ -181,9 +189,13 @@ class Snapshot:
 class Cluster:
     """The processes, the HTTP client, the load and the checks."""
 
-    def __init__(self, db: FaultDb, tmp: Path, http: aiohttp.ClientSession) -> None:
+    def __init__(self, db: FaultDb, tmp: Path, http: aiohttp.ClientSession, route: Route) -> None:
         self.db = db
-        self.dsn = db.dsn
+        self.dsn = db.dsn  # the test's own queries: always direct
+        self.route = route
+        # The private server's socket is its OS user's: a PgBouncer in front of it runs as that.
+        os_user = db.private.user if db.private is not None else None
+        self.db_env = route.env(db.dsn, os_user)
         self.tmp = tmp
         self.http = http
         self.nodes = [Node("a", free_port()), Node("b", free_port())]
@@ -216,7 +228,7 @@ class Cluster:
         env = base_env(
             self.tmp,
             **SERVICE_ENV,
-            AQ_DATABASE_URL=self.dsn,
+            **self.db_env,
             AQ_CORE_URL=self.sim_url,
             AQ_PORT=str(node.port),
             AQ_INSTANCE_ID=f"fault-{name}",
@@ -827,6 +839,7 @@ async def step_pg_restart(c: Cluster) -> None:
     assert not problems, "\n".join(problems) + c.logs() + c.pg_log()
     await _assert_listening_again(c, listen_before)
     snap = await c.settle()
+    routed = await c.route.assert_routed(c.dsn, listeners=2)
     outage = collections.Counter(f"{p.node}:{p.status} {p.code or ''}".strip() for p in probes)
     c.report(
         "step 6",
@@ -834,7 +847,7 @@ async def step_pg_restart(c: Cluster) -> None:
         snap,
         f"{len(probes)} GET /v1/credits probes during the outage: {dict(outage)}; slowest "
         f"{max(p.took_s for p in probes):.2f}s; never 500, never > 10s; a new LISTEN backend "
-        "per instance",
+        f"per instance; reached {c.route.kind} again: {routed}",
     )
 
 
@@ -889,6 +902,11 @@ def pg_restart_problems(c: Cluster, probes: list[Probe]) -> list[str]:
         f"{p.node}: answered after {p.took_s:.2f}s (> 10s)" for p in probes if p.took_s > 10
     ]
     for node in c.nodes:
+        # Through PgBouncer an outage this short may never reach the service: its connections
+        # to PgBouncer outlive the restart, and PgBouncer holds a query until a server
+        # connection is back (or fails it, a 503). The listeners, direct, still reconnect.
+        if c.route.pooled:
+            continue
         if not any(p.node == node.name and p.status == 503 for p in probes):
             problems.append(
                 f"{node.name} never answered 503 database_unavailable during the restart "
@@ -900,6 +918,10 @@ def pg_restart_problems(c: Cluster, probes: list[Probe]) -> list[str]:
     return problems
 
 
+# Through PgBouncer, the steps where the connection path matters: instances dying with their
+# connections open, the listeners cut, PostgreSQL restarting. Core's faults (4a, 4b, 5) reach
+# the database only through the statements every other step runs, and run directly.
+POOLED_STEPS = {"step_kill_a", "step_term_b", "step_listeners", "step_pg_restart"}
 STEPS: list[Callable[[Cluster], Awaitable[None]]] = [
     step_kill_a,
     step_term_b,
@@ -1067,11 +1089,11 @@ def fault_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FaultDb
 
 
 @pytest.fixture
-async def cluster(fault_db: FaultDb, tmp_path: Path) -> AsyncIterator[Cluster]:
+async def cluster(fault_db: FaultDb, tmp_path: Path, db_route: Route) -> AsyncIterator[Cluster]:
     if fault_db.private is not None:
         await apply_migrations(fault_db.dsn)
     async with aiohttp.ClientSession() as http:
-        c = Cluster(fault_db, tmp_path, http)
+        c = Cluster(fault_db, tmp_path, http, db_route)
         try:
             yield c
         finally:
@@ -1082,17 +1104,21 @@ async def cluster(fault_db: FaultDb, tmp_path: Path) -> AsyncIterator[Cluster]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("db_route", ROUTES, indirect=True)
 async def test_faults_rolling_deploys_and_exactly_once_credits(cluster: Cluster) -> None:
     started = time.monotonic()
     await cluster.start()
+    routed = await cluster.route.assert_routed(cluster.dsn, listeners=2)
     await cluster.grant_all()
     print(
         f"\n[setup] core-sim :{cluster.sim_port}, instances a :{cluster.node('a').port} and "
         f"b :{cluster.node('b').port}, {len(USERS)} users with {GRANT} credits; database: "
-        f"{cluster.db.describe()}; logs in {cluster.tmp}",
+        f"{cluster.db.describe()}, reached {cluster.route.kind} ({routed}); logs in {cluster.tmp}",
         flush=True,
     )
     for step in STEPS:
+        if cluster.route.pooled and step.__name__ not in POOLED_STEPS:
+            continue
         await step(cluster)
     await cluster.load.stop()
     took = time.monotonic() - started

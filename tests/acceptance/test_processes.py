@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from bouncer import ROUTES, Route
 from support import assert_fifo_serial, check_invariants, fetch, free_port, thesis_body, wait_for
 
 pytestmark = pytest.mark.acceptance
@@ -154,9 +155,16 @@ async def test_dev_mode_survives_a_restart_and_a_demo_beside_it(
     assert again.stop(signal.SIGTERM) == 0, again.tail()
 
 
+@pytest.mark.parametrize("db_route", ROUTES, indirect=True)
 async def test_two_processes_share_one_database(
-    database_url: str, tmp_path: Path, procs: list[Proc], http: aiohttp.ClientSession
+    database_url: str,
+    tmp_path: Path,
+    procs: list[Proc],
+    http: aiohttp.ClientSession,
+    db_route: Route,
 ) -> None:
+    """Two ``serve`` processes admit, promote and complete one queue, FIFO per user; directly,
+    and with their pools through PgBouncer in transaction mode (their listeners direct)."""
     ports = [free_port(), free_port()]
     sim_port = free_port()
     sim = Proc(
@@ -177,7 +185,7 @@ async def test_two_processes_share_one_database(
     for i, port in enumerate(ports):
         env = _env(
             **SECRETS,
-            AQ_DATABASE_URL=database_url,
+            **db_route.env(database_url),
             AQ_CORE_URL=f"http://127.0.0.1:{sim_port}",
             AQ_PORT=str(port),
             AQ_DATA_DIR=str(tmp_path),
@@ -190,6 +198,7 @@ async def test_two_processes_share_one_database(
     await _ready(http, f"http://127.0.0.1:{sim_port}", sim, path="/_sim/runs")
     for proc, base in instances:
         await _ready(http, base, proc)
+    await db_route.assert_routed(database_url, listeners=2)
 
     from analysis_queue.http.auth import mint_token
 
@@ -217,5 +226,6 @@ async def test_two_processes_share_one_database(
     await wait_for(all_done, timeout_s=60, what="30 analyses across two processes")
     await assert_fifo_serial(database_url)
     await check_invariants(database_url)
+    await db_route.assert_routed(database_url, listeners=2)
     for proc, _ in instances:
         assert proc.stop(signal.SIGTERM) == 0, proc.tail()

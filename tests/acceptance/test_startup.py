@@ -4,14 +4,19 @@ systemd's ``Restart=on-failure``) restarts it and an operator can read why."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from analysis_queue.store.sqlfiles import migrations
-from procs import SECRETS, base_env, cli
+from bouncer import PGBOUNCER, Route
+from procs import SECRETS, Proc, base_env, cli
 from support import fetch, free_port
 
 pytestmark = pytest.mark.acceptance
@@ -68,6 +73,71 @@ def test_an_unreachable_database_ends_the_start_after_its_bound(tmp_path: Path) 
     assert "pw@" not in out, "the password stays out of the logs"
     assert "Traceback" not in out, out
     assert 1.5 <= took < 30, took
+
+
+def test_a_transaction_pooler_without_a_direct_url_stops_the_start(
+    tmp_path: Path, database_url: str
+) -> None:
+    env = _complete(tmp_path, AQ_DATABASE_URL=database_url, AQ_DATABASE_POOLER="transaction")
+    code, out, _ = _run(cli("serve"), env)
+    assert code == EXIT_CONFIG, out
+    assert "AQ_DIRECT_DATABASE_URL: not set (AQ_DATABASE_POOLER=transaction: LISTEN" in out, out
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("db_route", [PGBOUNCER], indirect=True)
+def test_pgbouncer_without_the_pooler_setting_stops_the_start_at_once(
+    tmp_path: Path, database_url: str, db_route: Route
+) -> None:
+    """PgBouncer refuses the pool's startup parameters; no retry helps, so no 30 s of them."""
+    url = db_route.bouncer(database_url).url(database_url)
+    env = _complete(tmp_path, AQ_DATABASE_URL=url, AQ_DIRECT_DATABASE_URL=database_url)
+    code, out, took = _run(cli("serve"), env)
+    assert code == EXIT_FAILED, out
+    assert f"127.0.0.1:{db_route.bouncer(database_url).port} (AQ_DATABASE_URL)" in out, out
+    assert "refused a startup parameter" in out and "lock_timeout" in out, out
+    assert "set AQ_DATABASE_POOLER=transaction" in out, out
+    assert "Traceback" not in out and took < 20, took
+
+
+def _with_password(dsn: str, password: str) -> str:
+    parts = urlsplit(dsn)
+    netloc = f"{parts.username}:{password}@{parts.hostname}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@pytest.mark.parametrize("db_route", [PGBOUNCER], indirect=True)
+async def test_behind_pgbouncer_the_start_line_names_both_urls_without_passwords(
+    tmp_path: Path, database_url: str, db_route: Route
+) -> None:
+    """A real serve behind PgBouncer starts, says where each connection goes and in which
+    mode, shows no password (trust authentication ignores the ones in the URLs), and stops
+    with 0."""
+    settings = db_route.settings(database_url)
+    pooled = _with_password(settings["database_url"], "pool-secret")
+    direct = _with_password(database_url, "direct-secret")
+    env = _complete(
+        tmp_path,
+        AQ_DATABASE_URL=pooled,
+        AQ_DIRECT_DATABASE_URL=direct,
+        AQ_DATABASE_POOLER="transaction",
+    )
+    proc = Proc("serve", cli("serve"), env, tmp_path / "serve.log")
+    try:
+        deadline = time.monotonic() + 30
+        while '"service started"' not in proc.text():
+            assert proc.alive and time.monotonic() < deadline, proc.text()[-3000:]
+            await asyncio.sleep(0.1)
+        proc.send(signal.SIGTERM)
+        assert await proc.wait_exit(15) == 0, proc.text()[-3000:]
+    finally:
+        proc.kill()
+    out = proc.text()
+    started = next(json.loads(ln) for ln in out.splitlines() if '"service started"' in ln)
+    assert started["database"] == settings["database_url"], started
+    assert started["direct_database"] == database_url, started
+    assert started["pooler"] == "transaction", started
+    assert "pool-secret" not in out and "direct-secret" not in out, "a password in the logs"
 
 
 async def test_a_failed_migration_ends_the_start(tmp_path: Path, database_url: str) -> None:

@@ -3,7 +3,8 @@ other on overlapping users, neither deadlocks nor waits past a lock timeout.
 
 Each operation is the service's own SQL (the named queries of sql/queries.sql and the functions
 they call), run on its own connection with ``deadlock_timeout`` low (a deadlock surfaces within
-milliseconds as 40P01) and ``lock_timeout`` set (a wait that does not end is 55P03, not a hang).
+milliseconds as 40P01) and ``lock_timeout`` set (a wait that does not end is 55P03, not a hang;
+inside the functions their own bound applies, which the last test checks).
 For every pair, two tasks run their operation several times, at once, on the users ``a`` and
 ``b``; the set of operations includes changing the ceiling, so both modes are crossed. At the end
 no operation failed, PostgreSQL counted no deadlock in this database, and the queue's
@@ -15,15 +16,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
 import pytest
+from analysis_queue.store.driver import LOCK_TIMEOUT_MS as SERVICE_LOCK_TIMEOUT_MS
 from analysis_queue.store.driver import init_connection
 from analysis_queue.store.sqlfiles import queries
-from support import check_invariants
+from support import check_invariants, fetch
 
 USERS = ("a", "b")
 ROUNDS = 5  # runs of each side's operation per pair
@@ -239,3 +242,36 @@ async def test_every_pair_of_operations_runs_without_deadlock_or_lock_timeout(
         await conn.close()
     assert moved > len(pairs), "the operations did change the queue"
     await check_invariants(database_url)
+
+
+async def test_every_function_the_queries_call_bounds_its_own_lock_waits(database_url: str) -> None:
+    """docs/locking.md, "The bound": each function a named query calls that can wait for a lock
+    (every VOLATILE one) declares ``lock_timeout`` itself, so the bound holds however its caller
+    connected, through a transaction pooler too; and it is the bound direct sessions get."""
+    called = sorted({name for sql in Q.values() for name in re.findall(r"\b(aq_\w+)\s*\(", sql)})
+    rows = await fetch(
+        database_url,
+        """SELECT p.proname, p.provolatile::text, coalesce(p.proconfig, '{}') AS config
+             FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'public' AND p.proname = ANY ($1::text[])""",
+        called,
+    )
+    assert sorted(r["proname"] for r in rows) == called
+    bounds = {
+        r["proname"]: [c.split("=", 1)[1] for c in r["config"] if c.startswith("lock_timeout=")]
+        for r in rows
+        if r["provolatile"] == "v"
+    }
+    assert len(bounds) >= 8, bounds
+    assert [name for name, values in bounds.items() if not values] == []
+    conn = await asyncpg.connect(database_url)
+    try:
+        for value in {v for values in bounds.values() for v in values}:
+            async with conn.transaction():
+                await conn.execute(f"SET LOCAL lock_timeout = '{value}'")
+                ms = await conn.fetchval(
+                    "SELECT setting::int FROM pg_settings WHERE name = $1", "lock_timeout"
+                )
+            assert ms == SERVICE_LOCK_TIMEOUT_MS, (value, ms)
+    finally:
+        await conn.close()

@@ -42,7 +42,8 @@ CATALOG = {
          WHERE n.nspname = 'public' ORDER BY 1, 2""",
     "functions": """
         SELECT p.proname, pg_get_function_identity_arguments(p.oid),
-               pg_get_function_result(p.oid), md5(p.prosrc), l.lanname, p.provolatile
+               pg_get_function_result(p.oid), md5(p.prosrc), l.lanname, p.provolatile,
+               p.proconfig
           FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
           JOIN pg_language l ON l.oid = p.prolang
          WHERE n.nspname = 'public' ORDER BY 1, 2""",

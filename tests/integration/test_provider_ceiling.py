@@ -2,7 +2,11 @@
 
 Runs judge "forever" in these tests (the simulator's judging time is an hour) and the test
 finishes them one at a time through the simulator, so every start is caused by one completion
-and the order of starts is the scheduler's alone.
+and the order of starts is the scheduler's alone. Each runs twice: with the instances connected
+directly, and with their pools through PgBouncer in transaction mode (tests/bouncer.py); but
+the newcomers' test runs only its four-user case through PgBouncer (the other differs in
+backlog alone), and the previous version's call only directly (that version cannot run behind
+PgBouncer: it sends lock_timeout at startup).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import asyncpg
 import pytest
 from analysis_queue.models import OPEN_STATUSES
+from bouncer import DIRECT, PGBOUNCER, ROUTES
 from support import (
     Harness,
     assert_within_limits,
@@ -27,6 +32,8 @@ from support import (
 
 CEILING = 4
 FOREVER_S = 3600.0
+both_routes = pytest.mark.parametrize("db_route", ROUTES, indirect=True)
+FOUR_USERS = {"a": 1, "b": 1, "c": 1, "d": 1}
 
 
 async def _active(h: Harness) -> int:
@@ -49,11 +56,19 @@ async def _ready(h: Harness) -> int:
 
 
 async def _settled(h: Harness, ceiling: int = CEILING) -> bool:
-    """No release in flight, and every free slot that someone waits for is taken."""
-    pending = await fetchval(
-        h.database_url, "SELECT count(*) FROM analysis_jobs WHERE status = 'pending'"
+    """No release in flight, and every free slot that someone waits for is taken. One
+    statement, one snapshot: counted apart, a promotion landing between the counts reads as
+    "nothing pending, slots full" while the promoted job is still pending."""
+    rows = await fetch(
+        h.database_url,
+        """SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
+                  count(*) FILTER (WHERE status IN ('pending', 'running')) AS active,
+                  count(*) FILTER (WHERE status = 'queued' AND waiting_for = 'provider_capacity')
+                      AS ready
+             FROM analysis_jobs""",
     )
-    return pending == 0 and (await _active(h) >= ceiling or await _ready(h) == 0)
+    counts = rows[0]
+    return counts["pending"] == 0 and (counts["active"] >= ceiling or counts["ready"] == 0)
 
 
 async def _finish_oldest_running(h: Harness, ceiling: int = CEILING) -> None:
@@ -148,11 +163,13 @@ async def _waits_of_newcomers(
 
 
 @pytest.mark.parametrize(
-    ("backlog", "per_user"),
+    ("backlog", "per_user", "db_route"),
     [
-        pytest.param({"big": 4}, 50, id="one-user-allowed-4-admits-50"),
-        pytest.param({"a": 1, "b": 1, "c": 1, "d": 1}, 10, id="four-users-admit-10-each"),
+        pytest.param({"big": 4}, 50, DIRECT, id="one-user-allowed-4-admits-50-direct"),
+        pytest.param(FOUR_USERS, 10, DIRECT, id="four-users-admit-10-each-direct"),
+        pytest.param(FOUR_USERS, 10, PGBOUNCER, id="four-users-admit-10-each-pgbouncer"),
     ],
+    indirect=["db_route"],
 )
 async def test_ten_newcomers_start_within_bounded_turns_whatever_the_backlog(
     harness: Harness, backlog: dict[str, int], per_user: int
@@ -178,6 +195,7 @@ async def test_ten_newcomers_start_within_bounded_turns_whatever_the_backlog(
     await check_invariants(h.database_url)
 
 
+@both_routes
 async def test_ceiling_bounds_what_runs_and_says_why_jobs_wait(harness: Harness) -> None:
     h = harness
     h.sim.judge_time_s = FOREVER_S
@@ -236,6 +254,7 @@ async def test_ceiling_bounds_what_runs_and_says_why_jobs_wait(harness: Harness)
     await check_invariants(h.database_url)
 
 
+@both_routes
 async def test_a_delta_takes_the_next_free_slot_ahead_of_first_pass_jobs(
     harness: Harness,
 ) -> None:
@@ -273,6 +292,7 @@ async def test_a_delta_takes_the_next_free_slot_ahead_of_first_pass_jobs(
     await check_invariants(h.database_url)
 
 
+@both_routes
 async def test_a_plan_limit_runs_several_at_once_still_in_order(harness: Harness) -> None:
     h = harness
     h.sim.judge_time_s = FOREVER_S
@@ -312,6 +332,7 @@ async def test_a_plan_limit_runs_several_at_once_still_in_order(harness: Harness
     assert (status, problem["code"]) == (422, "invalid_body")
 
 
+@both_routes
 async def test_the_last_instance_started_sets_the_ceiling(harness: Harness) -> None:
     h = harness
     h.sim.judge_time_s = FOREVER_S
@@ -334,6 +355,7 @@ async def test_the_last_instance_started_sets_the_ceiling(harness: Harness) -> N
     await check_invariants(h.database_url)
 
 
+@both_routes
 async def test_a_completion_written_behind_the_service_fills_the_slot_by_notify(
     harness: Harness,
 ) -> None:
@@ -395,6 +417,7 @@ async def test_the_previous_versions_promotion_call_follows_the_new_rules(
     await check_invariants(h.database_url)
 
 
+@both_routes
 async def test_a_slot_held_by_a_dead_instances_job_is_recovered_by_the_sweep(
     harness: Harness,
 ) -> None:
@@ -439,6 +462,7 @@ async def test_a_slot_held_by_a_dead_instances_job_is_recovered_by_the_sweep(
     await check_invariants(h.database_url)
 
 
+@both_routes
 async def test_a_running_job_frees_its_slot_only_after_core_stopped_it(harness: Harness) -> None:
     """Cancelling a running analysis: Core is told first. Until Core confirms, the job keeps its
     slot (and the click gets a 503), so the job waiting for the slot never judges beside it."""
@@ -475,6 +499,7 @@ async def test_a_running_job_frees_its_slot_only_after_core_stopped_it(harness: 
     await check_invariants(h.database_url)
 
 
+@both_routes
 async def test_a_lowered_ceiling_lets_running_jobs_finish_before_anything_starts(
     harness: Harness,
 ) -> None:
@@ -499,6 +524,7 @@ async def test_a_lowered_ceiling_lets_running_jobs_finish_before_anything_starts
     await check_invariants(h.database_url)
 
 
+@both_routes
 async def test_a_completion_in_flight_when_the_ceiling_is_lowered_obeys_the_new_one(
     harness: Harness,
 ) -> None:

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 from analysis_queue.config import (
     EMBEDDED,
+    REQUIRED_BECAUSE,
     SECRETS_FILE,
     SIMULATOR,
     Mode,
+    Pooler,
     Settings,
     dsn_address,
     missing_for_serve,
@@ -88,6 +90,22 @@ def test_serve_names_everything_it_cannot_start_without() -> None:
     assert missing_for_serve(Settings(**partial)) == ["AQ_ADMIN_TOKEN"], "empty is not set"
 
 
+def test_a_transaction_pooler_needs_the_direct_url_too() -> None:
+    behind = {**COMPLETE, "database_pooler": "transaction"}
+    assert Settings(**behind).database_pooler is Pooler.TRANSACTION
+    assert missing_for_serve(Settings(**behind)) == ["AQ_DIRECT_DATABASE_URL"]
+    assert "LISTEN and migrations" in REQUIRED_BECAUSE["AQ_DIRECT_DATABASE_URL"]
+    direct = "postgresql://aq:hunter3@db.internal:5432/aq"
+    complete = Settings(**behind, direct_database_url=direct)
+    assert missing_for_serve(complete) == []
+    assert (complete.database_url, complete.direct_url) == (COMPLETE["database_url"], direct)
+    # Without a pooler the direct URL defaults to the pool's.
+    assert Settings(**COMPLETE).direct_url == COMPLETE["database_url"]
+    assert unknown_variables({"AQ_DIRECT_DATABASE_URL": direct, "AQ_DATABASE_POOLER": "x"}) == []
+    with pytest.raises(ValueError, match="database_pooler"):
+        Settings(**COMPLETE, database_pooler="statement")
+
+
 def test_development_stand_ins_are_asked_for_by_name(tmp_path: Path) -> None:
     production = Settings(**COMPLETE)
     assert production.mode is Mode.PRODUCTION
@@ -104,10 +122,12 @@ def test_development_stand_ins_are_asked_for_by_name(tmp_path: Path) -> None:
 
 
 def test_no_secret_or_password_in_the_settings_repr() -> None:
-    shown = repr(Settings(**COMPLETE)) + str(Settings(**COMPLETE))
-    for secret in ("hunter2", COMPLETE["jwt_secret"], "admin-token", "callback-secret"):
+    settings = Settings(**COMPLETE, direct_database_url="postgresql://aq:hunter3@db.internal/aq")
+    shown = repr(settings) + str(settings)
+    for secret in ("hunter2", "hunter3", COMPLETE["jwt_secret"], "admin-token", "callback-secret"):
         assert secret not in shown
     assert "postgresql://aq@db.internal:6432/aq" in shown
+    assert "postgresql://aq@db.internal/aq" in shown
 
 
 def test_a_misspelled_setting_is_named_with_what_it_looks_like() -> None:

@@ -1,5 +1,8 @@
 """The listener: one dedicated LISTEN connection per instance, turning NOTIFY into wake-ups.
 
+The connection goes to the direct database URL (``AQ_DIRECT_DATABASE_URL``), never through a
+transaction pooler: LISTEN belongs to a session.
+
 Every committed job change notifies (triggers/job_notify.sql), whichever instance or writer made
 it. The listener turns each notification into a wake-up for the job's user and nothing more:
 ``on_notice(notice, own)``, a typed ``JobNotice`` and whether this instance committed it, which
@@ -92,9 +95,17 @@ class Listener:
     async def run_once(self) -> None:
         """Connect, LISTEN, ask for a catch-up, then watch the connection until it dies."""
         self._conn = await ListenConnection.open(
-            self.db.dsn, self.handle_payload, self.db.application_name
+            self.db.direct_dsn, self.handle_payload, self.db.application_name
         )
         try:
+            if self._conn.through_proxy:
+                # Through a transaction pooler LISTEN goes to whichever server process runs it
+                # and is never heard of again, while the pings keep succeeding.
+                log.warning(
+                    "the LISTEN connection goes through a proxy: it needs a direct connection "
+                    "to PostgreSQL (or a session-mode pooler); check AQ_DIRECT_DATABASE_URL",
+                    extra={"action": "listen"},
+                )
             self.connected.set()
             self.metrics.listener_up.set(1)
             log.info("listening", extra={"action": "listen", "backend_pid": self.backend_pid()})

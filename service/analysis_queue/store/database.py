@@ -1,7 +1,9 @@
 """The pool and every query of the queue: the one place that runs SQL for the service.
 
 It returns frozen dataclasses from ``models`` and turns driver errors into domain errors
-(``driver.wrap_errors``). Migrations are ``migrate.py``, the LISTEN connection ``listen.py``.
+(``driver.wrap_errors``). Migrations are ``migrate.py``, the LISTEN connection ``listen.py``;
+both use ``direct_dsn``, which may differ from the pool's when the pool goes through a
+transaction pooler (``driver`` says what that changes).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from uuid import UUID
 
 import asyncpg
 
+from analysis_queue import errors
+from analysis_queue.config import Pooler
 from analysis_queue.models import (
     Admission,
     Capacity,
@@ -35,9 +39,12 @@ from analysis_queue.models import (
 from analysis_queue.store import migrate
 from analysis_queue.store.driver import (
     CONNECT_TIMEOUT_S,
+    StartupParametersRefused,
     init_connection,
     keep_session,
     server_settings,
+    startup_refusal,
+    statement_cache_size,
     wrap_errors,
 )
 from analysis_queue.store.sqlfiles import queries
@@ -54,9 +61,13 @@ def _job_or_none(row: Any) -> Job | None:
 async def _learn_row_types(conn: asyncpg.Connection[Any]) -> None:
     """Have the driver learn the job row type and its array at connect: it asks the server about
     a composite type the first time a result carries it, a round trip that would otherwise land
-    on some request's critical path once per connection. Skipped before the schema exists."""
+    on some request's critical path once per connection. Skipped before the schema exists.
+
+    Run, not ``prepare()``d: a prepare ends without a Sync, which holds a transaction pooler's
+    server connection for this client until its next query; and before asyncpg 0.31 it names
+    the statement even with the cache off."""
     try:
-        await conn.prepare("SELECT NULL::analysis_jobs AS job, NULL::analysis_jobs[] AS jobs")
+        await conn.fetchrow("SELECT NULL::analysis_jobs AS job, NULL::analysis_jobs[] AS jobs")
     except asyncpg.UndefinedObjectError:
         pass
 
@@ -75,12 +86,19 @@ class Database:
         dsn: str,
         application_name: str,
         backend_pids: set[int] | None = None,
+        *,
+        direct_dsn: str | None = None,
+        pooler: Pooler = Pooler.NONE,
     ) -> None:
         self.pool = pool
         self.dsn = dsn
+        self.direct_dsn = direct_dsn or dsn  # LISTEN and migrations: a session of their own
+        self.pooler = pooler
         self.application_name = application_name
         # The server processes of this pool's open connections: a notification sent by one of
-        # them is a change this process committed (and followed up) itself.
+        # them is a change this process committed (and followed up) itself. Always empty behind
+        # a transaction pooler, where a connection has no server process of its own: every
+        # notification then counts as another's (a wake-up's read too many, never one missed).
         self.backend_pids = backend_pids if backend_pids is not None else set()
         self._q = queries()
 
@@ -89,32 +107,44 @@ class Database:
         cls,
         dsn: str,
         *,
+        direct_dsn: str | None = None,
+        pooler: Pooler = Pooler.NONE,
         min_size: int = 2,
         max_size: int = 10,
         application_name: str = "analysis-queue",
     ) -> Database:
+        """Open the pool on ``dsn``. Raises ``StartupParametersRefused`` when ``dsn`` is a
+        pooler that ``pooler`` does not say (no retry helps), ``DatabaseUnavailable`` when the
+        server does not answer."""
         pids: set[int] = set()
 
         async def init(conn: asyncpg.Connection[Any]) -> None:
             await init_connection(conn)
             await _learn_row_types(conn)
-            pid = conn.get_server_pid()
-            pids.add(pid)
-            conn.add_termination_listener(lambda _conn: pids.discard(pid))
+            if pooler is Pooler.NONE:
+                pid = conn.get_server_pid()
+                pids.add(pid)
+                conn.add_termination_listener(lambda _conn: pids.discard(pid))
 
-        with wrap_errors():
-            pool = await asyncpg.create_pool(
-                dsn,
-                min_size=min_size,
-                max_size=max_size,
-                init=init,
-                reset=keep_session,
-                server_settings=server_settings(application_name),
-                command_timeout=30,
-                timeout=CONNECT_TIMEOUT_S,
-                max_inactive_connection_lifetime=300,
-            )
-        return cls(pool, dsn, application_name, pids)
+        try:
+            with wrap_errors():
+                pool = await asyncpg.create_pool(
+                    dsn,
+                    min_size=min_size,
+                    max_size=max_size,
+                    init=init,
+                    reset=keep_session,
+                    server_settings=server_settings(application_name, pooler),
+                    statement_cache_size=statement_cache_size(pooler),
+                    command_timeout=30,
+                    timeout=CONNECT_TIMEOUT_S,
+                    max_inactive_connection_lifetime=300,
+                )
+        except errors.DatabaseUnavailable as exc:
+            if startup_refusal(exc.__cause__):
+                raise StartupParametersRefused(str(exc.__cause__)) from exc.__cause__
+            raise
+        return cls(pool, dsn, application_name, pids, direct_dsn=direct_dsn, pooler=pooler)
 
     async def close(self) -> None:
         try:

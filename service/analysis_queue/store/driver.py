@@ -1,6 +1,12 @@
 """The driver's ground rules, in one place: how a connection is set up, and which driver errors
 become which domain errors (:func:`wrap_errors`). Every module of ``store`` talks to asyncpg
 through these; nothing outside ``store`` imports asyncpg.
+
+Behind a transaction-pooling PgBouncer (``Pooler.TRANSACTION``) a pooled connection is a session
+only for one transaction, so it may rely on nothing a session keeps: no startup parameter but
+``application_name`` (PgBouncer refuses the others), no named prepared statement (PgBouncer 1.18
+does not track them), no server process of its own. Each lock wait is bounded by the SQL
+function that waits (``SET lock_timeout`` in its definition), whichever way it was reached.
 """
 
 from __future__ import annotations
@@ -15,10 +21,16 @@ import asyncpg
 import orjson
 
 from analysis_queue import errors
+from analysis_queue.config import Pooler
 
 log = logging.getLogger(__name__)
 
+# The bound of every lock wait. Declared on each SQL function the queries call (`SET
+# lock_timeout = '10s'`: the one place it holds through a transaction pooler; a test checks the
+# two agree) and sent as a startup parameter on direct connections, where it also bounds the
+# plain statements of queries.sql.
 LOCK_TIMEOUT_MS = 10_000
+IDLE_IN_TRANSACTION_TIMEOUT_MS = 60_000
 CONNECT_TIMEOUT_S = 5.0  # a host that drops packets must not hold a start for a minute
 
 # Errors that mean "the database is not there right now": a retry or a 503, never a 500.
@@ -84,10 +96,36 @@ async def keep_session(_conn: asyncpg.Connection[Any]) -> None:
     rolls back a connection released inside a transaction."""
 
 
-def server_settings(application_name: str) -> dict[str, str]:
-    return {
-        "application_name": application_name[:63],
-        # Bounds every lock wait, the advisory user lock included (55P03 -> 503).
-        "lock_timeout": str(LOCK_TIMEOUT_MS),
-        "idle_in_transaction_session_timeout": "60000",
-    }
+class StartupParametersRefused(RuntimeError):
+    """The server refused a startup parameter: a connection pooler that takes none but
+    ``application_name`` (PgBouncer), reached without ``AQ_DATABASE_POOLER=transaction``."""
+
+
+def startup_refusal(exc: BaseException | None) -> bool:
+    """``exc`` is PgBouncer's answer to a startup parameter it does not track (08P01)."""
+    return isinstance(exc, asyncpg.ProtocolViolationError) and "startup parameter" in str(exc)
+
+
+def server_settings(application_name: str, pooler: Pooler = Pooler.NONE) -> dict[str, str]:
+    """The startup parameters of a pooled connection."""
+    settings = {"application_name": application_name[:63]}
+    if pooler is Pooler.NONE:
+        # Bounds every lock wait of this session, the plain statements' included (55P03 ->
+        # 503); behind a transaction pooler the functions' own SET clauses do it for theirs.
+        settings["lock_timeout"] = str(LOCK_TIMEOUT_MS)
+        settings["idle_in_transaction_session_timeout"] = str(IDLE_IN_TRANSACTION_TIMEOUT_MS)
+    return settings
+
+
+def statement_cache_size(pooler: Pooler) -> int:
+    """asyncpg's prepared statement cache per connection. Off behind a transaction pooler: a
+    named statement lives on the server process that prepared it, and the next transaction may
+    run on another one (PgBouncer < 1.21). asyncpg then uses the unnamed statement and re-sends
+    its Parse with every Bind, in the Sync that executes it: one transaction, one server."""
+    return 0 if pooler is Pooler.TRANSACTION else 100  # asyncpg's default
+
+
+async def through_proxy(conn: asyncpg.Connection[Any]) -> bool:
+    """Whether a proxy sits between ``conn`` and PostgreSQL: a pooler hands its clients a
+    cancel key of its own, so the server process it names is not the one that answers."""
+    return bool(conn.get_server_pid() != await conn.fetchval("SELECT pg_backend_pid()"))

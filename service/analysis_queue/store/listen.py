@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 
 from analysis_queue import errors
-from analysis_queue.store.driver import wrap_errors
+from analysis_queue.store.driver import through_proxy, wrap_errors
 
 JOBS_CHANNEL = "aq_jobs_v1"
 
@@ -21,12 +21,16 @@ class ListenConnection:
     """A dedicated connection LISTENing on the jobs channel.
 
     Not from the pool: releasing a pooled connection runs ``UNLISTEN *``, and LISTEN must not
-    sit behind a transaction-pooling proxy. It never opens a transaction.
+    sit behind a transaction-pooling proxy (it is opened on the direct URL; ``through_proxy``
+    says when that URL is a proxy after all). It never opens a transaction.
     """
 
-    def __init__(self, conn: asyncpg.Connection[Any], lost: asyncio.Event) -> None:
+    def __init__(
+        self, conn: asyncpg.Connection[Any], lost: asyncio.Event, *, proxied: bool = False
+    ) -> None:
         self._conn = conn
         self.lost = lost
+        self.through_proxy = proxied
 
     @classmethod
     async def open(
@@ -50,10 +54,11 @@ class ListenConnection:
             conn.add_termination_listener(_on_terminate)
             with wrap_errors():
                 await conn.add_listener(JOBS_CHANNEL, _on_notify)
+                proxied = await through_proxy(conn)
         except BaseException:
             conn.terminate()
             raise
-        return cls(conn, lost)
+        return cls(conn, lost, proxied=proxied)
 
     async def ping(self, timeout_s: float) -> None:
         """Raises DatabaseUnavailable when the connection is dead or half-open."""
