@@ -262,6 +262,7 @@ def _make_services(
             settings.secret("jwt_secret"),
             issuer=settings.jwt_issuer or None,
             audience=settings.jwt_audience or None,
+            max_ttl_s=settings.jwt_max_ttl_s,
         ),
         events=hub,
         simulator=simulator,

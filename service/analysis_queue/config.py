@@ -70,6 +70,13 @@ class Settings(BaseSettings):
     jwt_audience: str = Field(
         default="", description="When set, user tokens must carry this `aud` (and are minted so)."
     )
+    jwt_max_ttl_s: float = Field(
+        default=24 * 3600.0,
+        gt=0,
+        description="The longest lifetime a user token may have: `exp - iat`, or `exp - now` "
+        "for a token without `iat`; a longer one is refused (401), and `token --ttl` cannot "
+        "mint one.",
+    )
     admin_token: SecretStr | None = Field(default=None, description="Bearer token of admin calls.")
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
