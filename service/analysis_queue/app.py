@@ -31,6 +31,7 @@ from analysis_queue.core.sim import CoreSimulator
 from analysis_queue.http import dashboard, events, openapi, problems
 from analysis_queue.http import routes as api
 from analysis_queue.http.auth import TokenCache
+from analysis_queue.http.scrape import DatabaseGauges
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.loops.hub import EventHub, HubSettings
 from analysis_queue.loops.listener import Listener, ListenerSettings
@@ -265,6 +266,7 @@ def _make_services(
             max_ttl_s=settings.jwt_max_ttl_s,
         ),
         events=hub,
+        gauges=DatabaseGauges(db, metrics, settings.metrics_cache_s),
         simulator=simulator,
     )
 

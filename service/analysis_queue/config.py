@@ -78,6 +78,17 @@ class Settings(BaseSettings):
         "mint one.",
     )
     admin_token: SecretStr | None = Field(default=None, description="Bearer token of admin calls.")
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="When set, `/metrics` requires `Authorization: Bearer` with it (401 "
+        "otherwise). Optional, never generated: a scraper inside the network may go without.",
+    )
+    metrics_cache_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="`/metrics` reads its database gauges at most once per this many seconds, "
+        "however often it is scraped; 0 reads them on every scrape.",
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     sweep_interval_s: float = Field(default=30.0, ge=0.0, description="0 disables the sweep.")

@@ -147,10 +147,16 @@ class TokenCache:
         return sub
 
 
-def require_admin(header: str | None, admin_token: str) -> None:
+def require_bearer(header: str | None, expected: str, message: str) -> None:
+    """Unauthorized unless the header carries exactly ``expected`` (compared in constant time;
+    an empty ``expected`` admits nobody)."""
     token = _bearer(header)
-    if not admin_token or not hmac.compare_digest(token.encode(), admin_token.encode()):
-        raise errors.Unauthorized("Admin credentials required.")
+    if not expected or not hmac.compare_digest(token.encode(), expected.encode()):
+        raise errors.Unauthorized(message)
+
+
+def require_admin(header: str | None, admin_token: str) -> None:
+    require_bearer(header, admin_token, "Admin credentials required.")
 
 
 def mint_token(

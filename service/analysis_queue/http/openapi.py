@@ -440,6 +440,7 @@ OPERATIONS: dict[RouteKey, Operation] = {
         parameters=tuple(_CORE_HEADERS),
         description="Core is trusted only through this signature: an unsigned, wrongly signed "
         f"or stale (more than {int(CALLBACK_WINDOW_S)} s) callback is 401 invalid_signature. "
+        "Missing, malformed or stale signature headers are refused before the body is read. "
         "Events are idempotent; an unknown run is acknowledged (200 unknown_run).",
         tag="core",
     ),
@@ -447,8 +448,11 @@ OPERATIONS: dict[RouteKey, Operation] = {
         "metrics",
         "Prometheus metrics of this instance (open jobs from the database, counters since start)",
         {200: "text/plain"},
-        (),
+        (401, 503),
         security=None,
+        description="When `AQ_METRICS_TOKEN` is set, it must come as `Authorization: Bearer` "
+        "(401 otherwise). The gauges read from the database are at most `AQ_METRICS_CACHE_S` "
+        "(5 s) old: scrapes more frequent than that do not reach the database.",
         tag="health",
     ),
     ("GET", "/healthz"): Operation(

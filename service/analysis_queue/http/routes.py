@@ -13,8 +13,8 @@ import pydantic
 from aiohttp import web
 
 from analysis_queue import errors
-from analysis_queue.core.client import CoreRun, verify_callback
-from analysis_queue.http.auth import require_admin
+from analysis_queue.core.client import CoreRun, callback_timestamp, signature_matches
+from analysis_queue.http.auth import require_admin, require_bearer
 from analysis_queue.http.bodies import (
     CONTROL_CHARS,
     MAX_USER_ID_CHARS,
@@ -27,7 +27,6 @@ from analysis_queue.http.problems import Handler
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.logs import request_id_var
 from analysis_queue.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from analysis_queue.models import OPEN_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -247,14 +246,19 @@ async def set_user_limit(request: web.Request) -> web.Response:
 @routes.post("/v1/core/events")
 async def core_event(request: web.Request) -> web.Response:
     services = _services(request)
+    secret = services.settings.secret("core_callback_secret")
+    signature = request.headers.get("X-Core-Signature", "")
+    timestamp = callback_timestamp(
+        secret, request.headers.get("X-Core-Timestamp"), signature, now=time.time()
+    )
+    if timestamp is None:
+        # Missing, malformed or stale headers: refused before a byte of the body is read, so a
+        # forger cannot make the instance hold a connection and buffer a megabyte for nothing.
+        raise errors.InvalidSignature()
+    if request.content_length is not None and request.content_length > request.client_max_size:
+        raise errors.PayloadTooLarge()
     raw = await request.read()
-    if not verify_callback(
-        services.settings.secret("core_callback_secret"),
-        request.headers.get("X-Core-Timestamp"),
-        request.headers.get("X-Core-Signature"),
-        raw,
-        now=time.time(),
-    ):
+    if not signature_matches(secret, timestamp, signature, raw):
         raise errors.InvalidSignature()
     try:
         run = CoreRun.from_json(orjson.loads(raw))
@@ -270,15 +274,11 @@ async def core_event(request: web.Request) -> web.Response:
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     services = _services(request)
+    token = services.settings.secret("metrics_token")
+    if token:
+        require_bearer(request.headers.get("Authorization"), token, "Metrics credentials required.")
     m = services.metrics
-    counts = await services.db.open_job_counts()
-    for status in OPEN_STATUSES:
-        m.jobs.labels(status).set(counts.get(status, 0))
-    capacity = await services.db.capacity()
-    m.ceiling.set(capacity.ceiling or 0)
-    m.slots_in_use.set(capacity.active)
-    m.waiting_for_capacity.labels("jobs").set(capacity.jobs_waiting)
-    m.waiting_for_capacity.labels("users").set(capacity.users_waiting)
+    await services.gauges.refresh()  # the database, at most once per AQ_METRICS_CACHE_S
     size, idle = services.db.pool_counts()
     m.pool_size.labels("total").set(size)
     m.pool_size.labels("idle").set(idle)
