@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -31,6 +32,7 @@ from analysis_queue.core.sim import CoreSimulator
 from analysis_queue.http import dashboard, events, openapi, problems
 from analysis_queue.http import routes as api
 from analysis_queue.http.auth import TokenCache
+from analysis_queue.http.edge import Edge, EdgeSettings, EdgeSite
 from analysis_queue.http.scrape import DatabaseGauges
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.loops.hub import EventHub, HubSettings
@@ -187,6 +189,49 @@ def build_app(
     return app
 
 
+async def start_site(runner: web.AppRunner, host: str, port: int) -> EdgeSite:
+    """Listen on host:port through the instance's edge (after ``runner.setup()``)."""
+    site = EdgeSite(runner, runner.app[SERVICES].edge, host, port)
+    await site.start()
+    return site
+
+
+async def serve(app: web.Application, settings: Settings, on_started: Callable[[], None]) -> None:
+    """Run ``app`` on AQ_HOST:AQ_PORT until SIGTERM or SIGINT, then stop it: what
+    ``web.run_app`` does, through :func:`start_site` (``run_app`` makes its own sites)."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    stop = asyncio.Event()
+    started = False
+
+    def signalled() -> None:
+        stop.set()
+        if not started and main is not None:
+            main.cancel()  # a start still waiting (for the database, say) ends now
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signalled)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.shutdown_timeout_s)
+    try:
+        try:
+            await runner.setup()
+        except asyncio.CancelledError:
+            if not stop.is_set() or main is None:
+                raise
+            main.uncancel()  # ours: a stop asked for during the start, a clean exit
+            return
+        try:
+            await start_site(runner, settings.host, settings.port)
+            started = True
+            on_started()
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
 def _make_services(
     settings: Settings, db: Database, core: CoreClient, simulator: CoreSimulator | None
 ) -> Services:
@@ -267,6 +312,7 @@ def _make_services(
         ),
         events=hub,
         gauges=DatabaseGauges(db, metrics, settings.metrics_cache_s),
+        edge=Edge(EdgeSettings()),
         simulator=simulator,
     )
 

@@ -19,10 +19,9 @@ from collections.abc import Callable
 from importlib import metadata
 
 import aiohttp
-from aiohttp import web
 
 from analysis_queue import logs
-from analysis_queue.app import StartupError, build_app, resolve_dsn
+from analysis_queue.app import StartupError, build_app, resolve_dsn, serve
 from analysis_queue.config import (
     EMBEDDED,
     SIMULATOR,
@@ -65,14 +64,7 @@ def _run(settings: Settings, banner: Callable[[], None]) -> int:
 
     try:
         app = build_app(settings, on_fatal=on_fatal)
-        web.run_app(
-            app,
-            host=settings.host,
-            port=settings.port,
-            shutdown_timeout=settings.shutdown_timeout_s,
-            print=lambda _msg: banner(),
-            access_log=None,
-        )
+        asyncio.run(serve(app, settings, banner))
     except (StartupError, MigrationError) as exc:
         log.critical("cannot start: %s", exc, extra={"action": "start"})
         return EXIT_FAILED

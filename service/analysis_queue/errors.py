@@ -35,6 +35,16 @@ class MalformedRequest(AppError):
     code = "malformed_request"
 
 
+class MalformedHttp(MalformedRequest):
+    """The request is not well-formed HTTP."""
+
+
+class HeadersTooLarge(AppError):
+    """The request line or a header field is too large, or there are too many headers."""
+
+    code = "headers_too_large"
+
+
 class Unauthorized(AppError):
     """Missing or invalid credentials."""
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from analysis_queue import errors
 
@@ -23,6 +24,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATUS: dict[type[errors.AppError], int] = {
     errors.AppError: 500,
     errors.MalformedRequest: 400,
+    errors.MalformedHttp: 400,
     errors.BadRequest: 400,
     errors.Unauthorized: 401,
     errors.InvalidSignature: 401,
@@ -35,6 +37,7 @@ STATUS: dict[type[errors.AppError], int] = {
     errors.Conflict: 409,
     errors.PayloadTooLarge: 413,
     errors.UnsupportedMediaType: 415,
+    errors.HeadersTooLarge: 431,
     errors.InvalidBody: 422,
     errors.CoreRefused: 422,
     errors.InvalidSource: 422,
@@ -66,6 +69,16 @@ _HTTP_ERRORS: dict[int, type[errors.AppError]] = {
 }
 # Headers of aiohttp's own HTTP errors that a client needs (405 must say what is allowed).
 _KEPT_HEADERS = ("Allow",)
+# aiohttp's parser says "too many headers" only in this message (a BadHttpMessage like others).
+_TOO_MANY_HEADERS = "Too many headers"
+
+
+def parser_error(exc: HttpProcessingError) -> errors.AppError:
+    """What aiohttp's HTTP parser refused, before any route ran, as the service's error: an
+    oversized line or too many headers is 431, anything else it cannot parse is 400."""
+    if isinstance(exc, LineTooLong) or _TOO_MANY_HEADERS in exc.message:
+        return errors.HeadersTooLarge()
+    return errors.MalformedHttp()
 
 
 def status_of(error: errors.AppError | type[errors.AppError]) -> int:
