@@ -29,7 +29,7 @@ from analysis_queue.config import (
 )
 from analysis_queue.core.client import CoreClient
 from analysis_queue.core.sim import CoreSimulator
-from analysis_queue.http import dashboard, events, openapi, problems
+from analysis_queue.http import dashboard, edge, events, openapi, problems
 from analysis_queue.http import routes as api
 from analysis_queue.http.auth import TokenCache
 from analysis_queue.http.edge import Edge, EdgeSettings, EdgeSite
@@ -121,7 +121,7 @@ def build_app(
     if missing:
         raise StartupError(f"not set: {', '.join(missing)}")
     app = web.Application(
-        middlewares=[api.request_id_middleware, problems.problem_middleware],
+        middlewares=[edge.head_middleware, api.request_id_middleware, problems.problem_middleware],
         client_max_size=CLIENT_MAX_SIZE,
     )
     app.add_routes(api.routes)
@@ -312,7 +312,7 @@ def _make_services(
         ),
         events=hub,
         gauges=DatabaseGauges(db, metrics, settings.metrics_cache_s),
-        edge=Edge(EdgeSettings()),
+        edge=Edge(EdgeSettings.from_settings(settings), metrics),
         simulator=simulator,
     )
 

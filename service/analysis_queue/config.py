@@ -91,6 +91,25 @@ class Settings(BaseSettings):
     )
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A new connection must deliver a complete request head (line and headers) "
+        "within this, or it is closed: an idle or dribbling socket holds nothing for long.",
+    )
+    keepalive_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="A kept-alive connection must start and deliver its next request head "
+        "within this after a response, or it is closed. Behind a proxy that reuses "
+        "connections, set it above the proxy's idle timeout.",
+    )
+    body_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Reading a request's body (at most 1 MiB) must end within this after its "
+        "head; past it the answer is 408 and the connection is closed.",
+    )
     sweep_interval_s: float = Field(default=30.0, ge=0.0, description="0 disables the sweep.")
     release_window_s: float = Field(default=1800.0, gt=0)
     global_max_running: int = Field(

@@ -39,6 +39,12 @@ class MalformedHttp(MalformedRequest):
     """The request is not well-formed HTTP."""
 
 
+class RequestTimeout(AppError):
+    """The request was not received in time."""
+
+    code = "request_timeout"
+
+
 class HeadersTooLarge(AppError):
     """The request line or a header field is too large, or there are too many headers."""
 

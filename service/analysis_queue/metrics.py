@@ -85,6 +85,12 @@ class Metrics:
             registry=r,
         )
         self.pool_size = Gauge("aq_db_pool_connections", "Pool connections", ["state"], registry=r)
+        self.http_timeouts = Counter(
+            "aq_http_timeouts",
+            "Connections closed (head) or requests answered 408 (body) for arriving too slowly",
+            ["phase"],
+            registry=r,
+        )
         self.event_subscribers = Gauge(
             "aq_event_subscribers", "Open event-stream subscribers", registry=r
         )

@@ -4,6 +4,14 @@ open there.
 The service listens through :class:`EdgeSite`, an aiohttp site whose protocol factory makes an
 :class:`EdgeHandler` (aiohttp's ``RequestHandler``) for each connection. What it adds:
 
+- time bounds on what a client sends. A new connection has ``AQ_HEADER_TIMEOUT_S`` to deliver
+  its first request head (a timer from accept, stopped by :func:`head_middleware` when the head
+  has arrived); a kept-alive one has ``AQ_KEEPALIVE_TIMEOUT_S`` from the end of a response to
+  deliver the next head (aiohttp's keep-alive timer, which also runs from accept: a new
+  connection gets the shorter of the two). Reading a body is bounded by the routes
+  (``AQ_BODY_TIMEOUT_S``, 408); a body left unread after an early answer is drained for at
+  most ``LINGER_S`` before the connection closes. aiohttp by itself gives an idle socket an
+  hour (3630 s) and a stalled body for ever;
 - requests aiohttp's HTTP parser refuses (a malformed request line, a bad header, headers over
   the size limit) are answered with ``application/problem+json`` like every other error, and
   logged as one line instead of a traceback each. A middleware cannot do this: aiohttp answers
@@ -20,7 +28,10 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from analysis_queue.config import Settings
 from analysis_queue.http import problems
+from analysis_queue.http.problems import Handler
+from analysis_queue.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +39,31 @@ log = logging.getLogger(__name__)
 MAX_LINE_BYTES = 8190  # the request line
 MAX_FIELD_BYTES = 8190  # one header field, name and value
 MAX_HEADERS = 128
+# After an answer given before the body was read (401, 408, 413), aiohttp reads and drops the
+# rest so the client sees the answer rather than a reset; this long at most (aiohttp: 10 s).
+LINGER_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
 class EdgeSettings:
-    """What the edge holds a connection to."""
+    """What the edge holds a connection to (``AQ_HEADER_TIMEOUT_S``,
+    ``AQ_KEEPALIVE_TIMEOUT_S``; the body's bound is the routes')."""
 
-    keepalive_timeout_s: float = 75.0
+    header_timeout_s: float = 10.0
+    keepalive_timeout_s: float = 15.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> EdgeSettings:
+        return cls(
+            header_timeout_s=settings.header_timeout_s,
+            keepalive_timeout_s=settings.keepalive_timeout_s,
+        )
 
     def handler_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of aiohttp's ``RequestHandler`` for these settings."""
         return {
             "keepalive_timeout": self.keepalive_timeout_s,
+            "lingering_time": LINGER_S,
             "max_line_size": MAX_LINE_BYTES,
             "max_field_size": MAX_FIELD_BYTES,
             "max_headers": MAX_HEADERS,
@@ -48,7 +72,36 @@ class EdgeSettings:
 
 
 class EdgeHandler(web.RequestHandler):
-    """aiohttp's handler of one connection, answering its parser's refusals as problems."""
+    """aiohttp's handler of one connection, with a deadline on its first request head, and its
+    parser's refusals answered as problems."""
+
+    def __init__(self, manager: web.Server, edge: Edge, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._edge = edge
+        self._edge_head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._edge_head_timer = asyncio.get_running_loop().call_later(
+            self._edge.settings.header_timeout_s, self._head_overdue
+        )
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.head_received()
+        super().connection_lost(exc)
+
+    def head_received(self) -> None:
+        """A request's head has arrived: the deadline is met (the later ones are aiohttp's
+        keep-alive timer's)."""
+        if self._edge_head_timer is not None:
+            self._edge_head_timer.cancel()
+            self._edge_head_timer = None
+
+    def _head_overdue(self) -> None:
+        # Counted, not logged: a flood of idle sockets must not become a flood of log lines.
+        self._edge_head_timer = None
+        self._edge.metrics.http_timeouts.labels("head").inc()
+        self.force_close()
 
     def handle_error(
         self,
@@ -78,18 +131,29 @@ class EdgeHandler(web.RequestHandler):
         return response
 
 
+@web.middleware
+async def head_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The first thing every routed request does: tell its connection its head has arrived.
+    The application's outermost middleware."""
+    protocol = request.protocol
+    if isinstance(protocol, EdgeHandler):
+        protocol.head_received()
+    return await handler(request)
+
+
 class Edge:
     """The connections of one instance: makes each one's protocol."""
 
-    def __init__(self, settings: EdgeSettings) -> None:
+    def __init__(self, settings: EdgeSettings, metrics: Metrics) -> None:
         self.settings = settings
+        self.metrics = metrics
         self._handler_kwargs = settings.handler_kwargs()
 
     def protocol_factory(self, server: web.Server) -> Any:
         loop = asyncio.get_running_loop()
 
         def make() -> asyncio.BaseProtocol:
-            return EdgeHandler(server, loop=loop, **self._handler_kwargs)
+            return EdgeHandler(server, self, loop=loop, **self._handler_kwargs)
 
         return make
 

@@ -32,6 +32,7 @@ STATUS: dict[type[errors.AppError], int] = {
     errors.Forbidden: 403,
     errors.NotFound: 404,
     errors.MethodNotAllowed: 405,
+    errors.RequestTimeout: 408,
     errors.IdempotencyKeyReused: 409,
     errors.IdempotencyInProgress: 409,
     errors.Conflict: 409,
@@ -58,6 +59,9 @@ HEADERS: dict[type[errors.AppError], dict[str, str]] = {
         )
     },
 }
+
+# Answers after which the connection is closed: the rest of the request may still be arriving.
+CLOSES_CONNECTION: frozenset[type[errors.AppError]] = frozenset({errors.RequestTimeout})
 
 # aiohttp's own HTTP errors (raised before or around a handler), as the service's errors.
 _HTTP_ERRORS: dict[int, type[errors.AppError]] = {
@@ -102,12 +106,15 @@ def problem(
         "instance": instance,
     }
     body.update({k: v for k, v in error.extra.items() if k not in body})
-    return web.Response(
+    response = web.Response(
         body=orjson.dumps(body),
         status=status,
         content_type="application/problem+json",
         headers={**HEADERS.get(type(error), {}), **(headers or {})},
     )
+    if type(error) in CLOSES_CONNECTION:
+        response.force_close()
+    return response
 
 
 @web.middleware

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -63,6 +64,21 @@ def _user(request: web.Request) -> str:
     return _services(request).tokens.user(request.headers.get("Authorization"))
 
 
+async def _read_body(request: web.Request) -> bytes:
+    """The whole body, within AQ_BODY_TIMEOUT_S: a client that stops halfway gets 408 instead of
+    holding the handler and its connection for ever. Past client_max_size (a chunked body: a
+    stated Content-Length is refused before this) aiohttp raises HTTPRequestEntityTooLarge."""
+    services = _services(request)
+    try:
+        async with asyncio.timeout(services.settings.body_timeout_s):
+            return await request.read()
+    except TimeoutError as exc:
+        services.metrics.http_timeouts.labels("body").inc()
+        raise errors.RequestTimeout(
+            f"The request body did not arrive within {services.settings.body_timeout_s:g} s."
+        ) from exc
+
+
 async def _body(request: web.Request, model: type[Model]) -> Model:
     if request.content_type != "application/json":
         raise errors.UnsupportedMediaType()
@@ -70,7 +86,7 @@ async def _body(request: web.Request, model: type[Model]) -> Model:
         raise errors.UnsupportedMediaType("JSON must be UTF-8 (RFC 8259).")
     if request.content_length is not None and request.content_length > request.client_max_size:
         raise errors.PayloadTooLarge()  # said before a byte of it is read
-    raw = await request.read()  # a chunked body past client_max_size: HTTPRequestEntityTooLarge
+    raw = await _read_body(request)
     try:
         data = orjson.loads(raw)  # refuses invalid UTF-8, lone surrogates, NaN/Infinity, depth
     except (orjson.JSONDecodeError, RecursionError) as exc:
@@ -257,7 +273,7 @@ async def core_event(request: web.Request) -> web.Response:
         raise errors.InvalidSignature()
     if request.content_length is not None and request.content_length > request.client_max_size:
         raise errors.PayloadTooLarge()
-    raw = await request.read()
+    raw = await _read_body(request)
     if not signature_matches(secret, timestamp, signature, raw):
         raise errors.InvalidSignature()
     try:
