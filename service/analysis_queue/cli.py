@@ -31,6 +31,7 @@ from analysis_queue.config import (
     unknown_variables,
 )
 from analysis_queue.http.auth import TOKEN_TTL_S, mint_token
+from analysis_queue.http.edge import raise_fd_limit
 from analysis_queue.store.migrate import MigrationError, apply_migrations
 from analysis_queue.store.sim_runs import PgRunStore
 
@@ -62,6 +63,11 @@ def _run(settings: Settings, banner: Callable[[], None]) -> int:
         fatal.append(loop)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    fds = raise_fd_limit()  # before the app: the default AQ_MAX_CONNECTIONS is computed from it
+    log.info(
+        "file descriptor limit",
+        extra={"action": "start", "soft": fds.soft, "hard": fds.hard, "soft_before": fds.before},
+    )
     try:
         app = build_app(settings, on_fatal=on_fatal)
         asyncio.run(serve(app, settings, banner))

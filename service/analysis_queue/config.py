@@ -104,6 +104,14 @@ class Settings(BaseSettings):
         "within this after a response, or it is closed. Behind a proxy that reuses "
         "connections, set it above the proxy's idle timeout.",
     )
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="Client connections one instance holds at once; past it a new one is "
+        "answered 503 (or /healthz) and closed, past a small lane for that, closed at accept. "
+        "Default: what the file-descriptor limit leaves after the database pool, the LISTEN "
+        "connection, Core's connections and files, at most 10,000.",
+    )
     body_timeout_s: float = Field(
         default=10.0,
         gt=0,

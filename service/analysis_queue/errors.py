@@ -177,6 +177,12 @@ class DatabaseUnavailable(AppError):
     code = "database_unavailable"
 
 
+class TooManyConnections(AppError):
+    """This instance holds as many connections as it may; retry shortly."""
+
+    code = "too_many_connections"
+
+
 class ShuttingDown(AppError):
     """This instance is shutting down; retry against another one."""
 

@@ -48,7 +48,10 @@ STATUS: dict[type[errors.AppError], int] = {
     errors.CoreUnavailable: 503,
     errors.DatabaseUnavailable: 503,
     errors.ShuttingDown: 503,
+    errors.TooManyConnections: 503,
 }
+# What a client is told to wait before it tries again, where the answer is about load.
+RETRY_AFTER_S = 1
 
 # Headers an answer must carry: RFC 9110 15.5.2, a 401 says how to authenticate.
 HEADERS: dict[type[errors.AppError], dict[str, str]] = {
@@ -58,6 +61,7 @@ HEADERS: dict[type[errors.AppError], dict[str, str]] = {
             'HMAC-SHA256 realm="core-events", headers="X-Core-Timestamp X-Core-Signature"'
         )
     },
+    errors.TooManyConnections: {"Retry-After": str(RETRY_AFTER_S)},
 }
 
 # Answers after which the connection is closed: the rest of the request may still be arriving.
@@ -93,21 +97,26 @@ def status_of(error: errors.AppError | type[errors.AppError]) -> int:
     return 500
 
 
-def problem(
-    error: errors.AppError, instance: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    status = status_of(error)
+def problem_document(error: errors.AppError, instance: str) -> dict[str, Any]:
+    """The RFC 9457 document of ``error``."""
     body: dict[str, Any] = {
         "type": PROBLEM_TYPE_BASE + error.code,
         "title": error.title,
-        "status": status,
+        "status": status_of(error),
         "detail": error.detail,
         "code": error.code,
         "instance": instance,
     }
     body.update({k: v for k, v in error.extra.items() if k not in body})
+    return body
+
+
+def problem(
+    error: errors.AppError, instance: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    status = status_of(error)
     response = web.Response(
-        body=orjson.dumps(body),
+        body=orjson.dumps(problem_document(error, instance)),
         status=status,
         content_type="application/problem+json",
         headers={**HEADERS.get(type(error), {}), **(headers or {})},

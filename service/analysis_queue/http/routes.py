@@ -295,6 +295,7 @@ async def metrics(request: web.Request) -> web.Response:
         require_bearer(request.headers.get("Authorization"), token, "Metrics credentials required.")
     m = services.metrics
     await services.gauges.refresh()  # the database, at most once per AQ_METRICS_CACHE_S
+    m.http_connections.set(services.edge.open_connections)
     size, idle = services.db.pool_counts()
     m.pool_size.labels("total").set(size)
     m.pool_size.labels("idle").set(idle)

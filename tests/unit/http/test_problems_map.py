@@ -26,4 +26,5 @@ def test_statuses_of_core_refusals_and_unavailability() -> None:
     assert status_of(errors.InvalidSource("x")) == 422
     assert status_of(errors.ProviderBudgetExhausted) == 429
     assert status_of(errors.DatabaseUnavailable()) == 503
-    assert {status_of(cls) for cls in HEADERS} == {401}
+    assert {status_of(cls) for cls in HEADERS} == {401, 503}
+    assert HEADERS[errors.TooManyConnections] == {"Retry-After": "1"}
