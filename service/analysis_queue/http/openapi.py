@@ -305,13 +305,15 @@ _PROBLEMS: dict[int, str] = {
     401: "unauthorized: missing, invalid or expired credentials.",
     402: "insufficient_credits.",
     404: "not_found.",
+    408: "request_timeout: the body did not arrive within AQ_BODY_TIMEOUT_S.",
     409: "A conflict; see `code`.",
     413: "payload_too_large: the body exceeds 1 MiB.",
     415: "unsupported_media_type: the body must be application/json (UTF-8).",
     422: "invalid_body (with `errors`), or Core's refusal: invalid_source, unparseable_thesis.",
     429: "provider_budget_exhausted: try again later.",
     502: "core_run_gone.",
-    503: "core_unavailable, database_unavailable or shutting_down: try again shortly.",
+    503: "core_unavailable, database_unavailable, shutting_down or too_many_connections: try "
+    "again shortly.",
 }
 
 
@@ -584,7 +586,9 @@ def _operation(key: RouteKey, op: Operation) -> dict[str, Any]:
         if op.ok_headers and status < 400:
             response["headers"] = op.ok_headers
         responses[str(status)] = response
-    for status in op.problems:
+    # A body is read within AQ_BODY_TIMEOUT_S (http/routes.py::_read_body).
+    statuses = (*op.problems, 408) if op.body is not None else op.problems
+    for status in statuses:
         responses[str(status)] = _problem_response(status)
     spec: dict[str, Any] = {
         "operationId": op.operation_id,
