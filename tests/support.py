@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import asyncpg
 from aiohttp import web
-from analysis_queue.app import build_app
+from analysis_queue.app import build_app, start_site
 from analysis_queue.config import Settings
 from analysis_queue.core.sim import CoreSimulator
 from analysis_queue.http.auth import mint_token
@@ -147,7 +147,7 @@ class Harness:
         settings = Settings(**values)
         runner = web.AppRunner(build_app(settings), access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await start_site(runner, "127.0.0.1", port)
         instance = Instance(runner, f"http://127.0.0.1:{port}", settings)
         self.instances.append(instance)
         self.sim.callback_urls.append(f"{instance.base_url}/v1/core/events")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -30,9 +31,11 @@ from analysis_queue.config import (
 )
 from analysis_queue.core.client import CoreClient
 from analysis_queue.core.sim import CoreSimulator
-from analysis_queue.http import dashboard, events, openapi, problems
+from analysis_queue.http import dashboard, edge, events, openapi, problems
 from analysis_queue.http import routes as api
 from analysis_queue.http.auth import TokenCache
+from analysis_queue.http.edge import Edge, EdgeSettings, EdgeSite
+from analysis_queue.http.scrape import DatabaseGauges
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.loops.hub import EventHub, HubSettings
 from analysis_queue.loops.listener import Listener, ListenerSettings
@@ -146,7 +149,7 @@ def build_app(
     if missing:
         raise StartupError(f"not set: {', '.join(missing)}")
     app = web.Application(
-        middlewares=[api.request_id_middleware, problems.problem_middleware],
+        middlewares=[edge.head_middleware, api.request_id_middleware, problems.problem_middleware],
         client_max_size=CLIENT_MAX_SIZE,
     )
     app.add_routes(api.routes)
@@ -214,6 +217,49 @@ def build_app(
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(end_event_streams)
     return app
+
+
+async def start_site(runner: web.AppRunner, host: str, port: int) -> EdgeSite:
+    """Listen on host:port through the instance's edge (after ``runner.setup()``)."""
+    site = EdgeSite(runner, runner.app[SERVICES].edge, host, port)
+    await site.start()
+    return site
+
+
+async def serve(app: web.Application, settings: Settings, on_started: Callable[[], None]) -> None:
+    """Run ``app`` on AQ_HOST:AQ_PORT until SIGTERM or SIGINT, then stop it: what
+    ``web.run_app`` does, through :func:`start_site` (``run_app`` makes its own sites)."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    stop = asyncio.Event()
+    started = False
+
+    def signalled() -> None:
+        stop.set()
+        if not started and main is not None:
+            main.cancel()  # a start still waiting (for the database, say) ends now
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signalled)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.shutdown_timeout_s)
+    try:
+        try:
+            await runner.setup()
+        except asyncio.CancelledError:
+            if not stop.is_set() or main is None:
+                raise
+            main.uncancel()  # ours: a stop asked for during the start, a clean exit
+            return
+        try:
+            await start_site(runner, settings.host, settings.port)
+            started = True
+            on_started()
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def _make_services(
@@ -293,8 +339,11 @@ def _make_services(
             settings.secret("jwt_secret"),
             issuer=settings.jwt_issuer or None,
             audience=settings.jwt_audience or None,
+            max_ttl_s=settings.jwt_max_ttl_s,
         ),
         events=hub,
+        gauges=DatabaseGauges(db, metrics, settings.metrics_cache_s),
+        edge=Edge(EdgeSettings.from_settings(settings), metrics),
         simulator=simulator,
     )
 

@@ -19,10 +19,9 @@ from collections.abc import Callable
 from importlib import metadata
 
 import aiohttp
-from aiohttp import web
 
 from analysis_queue import logs
-from analysis_queue.app import StartupError, build_app, resolve_dsns
+from analysis_queue.app import StartupError, build_app, resolve_dsns, serve
 from analysis_queue.config import (
     EMBEDDED,
     REQUIRED_BECAUSE,
@@ -32,13 +31,15 @@ from analysis_queue.config import (
     safe_dsn,
     unknown_variables,
 )
-from analysis_queue.http.auth import mint_token
+from analysis_queue.http.auth import TOKEN_TTL_S, mint_token
+from analysis_queue.http.edge import raise_fd_limit
 from analysis_queue.store.migrate import MigrationError, apply_migrations
 from analysis_queue.store.sim_runs import PgRunStore
 
 log = logging.getLogger("analysis_queue")
 
 EXIT_FAILED = 1
+EXIT_USAGE = 2  # as argparse's own usage errors
 EXIT_CONFIG = 78  # sysexits.h EX_CONFIG
 
 
@@ -63,16 +64,14 @@ def _run(settings: Settings, banner: Callable[[], None]) -> int:
         fatal.append(loop)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    fds = raise_fd_limit()  # before the app: the default AQ_MAX_CONNECTIONS is computed from it
+    log.info(
+        "file descriptor limit",
+        extra={"action": "start", "soft": fds.soft, "hard": fds.hard, "soft_before": fds.before},
+    )
     try:
         app = build_app(settings, on_fatal=on_fatal)
-        web.run_app(
-            app,
-            host=settings.host,
-            port=settings.port,
-            shutdown_timeout=settings.shutdown_timeout_s,
-            print=lambda _msg: banner(),
-            access_log=None,
-        )
+        asyncio.run(serve(app, settings, banner))
     except (StartupError, MigrationError) as exc:
         log.critical("cannot start: %s", exc, extra={"action": "start"})
         return EXIT_FAILED
@@ -166,10 +165,20 @@ def _token(args: argparse.Namespace) -> int:
     if args.admin:
         print(settings.secret("admin_token"))
     else:
+        max_ttl_s = int(settings.jwt_max_ttl_s)
+        ttl_s = min(TOKEN_TTL_S, max_ttl_s) if args.ttl is None else args.ttl
+        if not 0 < ttl_s <= max_ttl_s:
+            # The service would refuse such a token (401): say so now, not at the first request.
+            print(
+                f"analysis-queue token: --ttl must be between 1 and {max_ttl_s} seconds "
+                f"(AQ_JWT_MAX_TTL_S); got {ttl_s}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
         token = mint_token(
             args.user,
             settings.secret("jwt_secret"),
-            ttl_s=args.ttl,
+            ttl_s=ttl_s,
             issuer=settings.jwt_issuer or None,
             audience=settings.jwt_audience or None,
         )
@@ -256,7 +265,12 @@ def _parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="print a user token for local use")
     token.add_argument("user", nargs="?", default="")
     token.add_argument("--admin", action="store_true", help="print the admin token instead")
-    token.add_argument("--ttl", type=int, default=24 * 3600, help="lifetime in seconds")
+    token.add_argument(
+        "--ttl",
+        type=int,
+        default=None,
+        help="lifetime in seconds: 24 h by default, at most AQ_JWT_MAX_TTL_S (24 h)",
+    )
     token.set_defaults(fn=_token)
     grant = sub.add_parser("grant", help="grant a user credits through a running instance")
     grant.add_argument("user")

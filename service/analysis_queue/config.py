@@ -102,9 +102,54 @@ class Settings(BaseSettings):
     jwt_audience: str = Field(
         default="", description="When set, user tokens must carry this `aud` (and are minted so)."
     )
+    jwt_max_ttl_s: float = Field(
+        default=24 * 3600.0,
+        gt=0,
+        description="The longest lifetime a user token may have: `exp - iat`, or `exp - now` "
+        "for a token without `iat`; a longer one is refused (401), and `token --ttl` cannot "
+        "mint one.",
+    )
     admin_token: SecretStr | None = Field(default=None, description="Bearer token of admin calls.")
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="When set, `/metrics` requires `Authorization: Bearer` with it (401 "
+        "otherwise). Optional, never generated: a scraper inside the network may go without.",
+    )
+    metrics_cache_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="`/metrics` reads its database gauges at most once per this many seconds, "
+        "however often it is scraped; 0 reads them on every scrape.",
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A new connection must deliver a complete request head (line and headers) "
+        "within this, or it is closed: an idle or dribbling socket holds nothing for long.",
+    )
+    keepalive_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="A kept-alive connection must start and deliver its next request head "
+        "within this after a response, or it is closed. Behind a proxy that reuses "
+        "connections, set it above the proxy's idle timeout.",
+    )
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="Client connections one instance holds at once; past it a new one is "
+        "answered 503 (or /healthz) and closed, past a small lane for that, closed at accept. "
+        "Default: what the file-descriptor limit leaves after the database pool, the LISTEN "
+        "connection, Core's connections and files, at most 10,000.",
+    )
+    body_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Reading a request's body (at most 1 MiB) must end within this after its "
+        "head; past it the answer is 408 and the connection is closed.",
+    )
     sweep_interval_s: float = Field(default=30.0, ge=0.0, description="0 disables the sweep.")
     release_window_s: float = Field(default=1800.0, gt=0)
     global_max_running: int = Field(

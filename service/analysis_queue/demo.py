@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from analysis_queue import logs
-from analysis_queue.app import build_app, resolve_dsns
+from analysis_queue.app import build_app, resolve_dsns, start_site
 from analysis_queue.config import SIMULATOR, Pooler, Settings
 from analysis_queue.http.auth import mint_token
 from analysis_queue.http.state import SERVICES
@@ -60,7 +60,7 @@ async def _replay(settings: Settings, theses: int) -> int:
     port = settings.port
     runner = web.AppRunner(build_app(settings), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await start_site(runner, "127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
     user = f"lecturer-{uuid.uuid4().hex[:6]}"
     db = runner.app[SERVICES].db

@@ -42,6 +42,22 @@ class MalformedRequest(AppError):
     code = "malformed_request"
 
 
+class MalformedHttp(MalformedRequest):
+    """The request is not well-formed HTTP."""
+
+
+class RequestTimeout(AppError):
+    """The request was not received in time."""
+
+    code = "request_timeout"
+
+
+class HeadersTooLarge(AppError):
+    """The request line or a header field is too large, or there are too many headers."""
+
+    code = "headers_too_large"
+
+
 class Unauthorized(AppError):
     """Missing or invalid credentials."""
 
@@ -179,6 +195,13 @@ class DatabaseUnavailable(AppError):
     """The database is unreachable right now; try again shortly."""
 
     code = "database_unavailable"
+    retry_after_s = 1
+
+
+class TooManyConnections(AppError):
+    """This instance holds as many connections as it may; retry shortly."""
+
+    code = "too_many_connections"
     retry_after_s = 1
 
 

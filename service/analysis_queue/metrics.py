@@ -85,6 +85,22 @@ class Metrics:
             registry=r,
         )
         self.pool_size = Gauge("aq_db_pool_connections", "Pool connections", ["state"], registry=r)
+        self.http_connections = Gauge(
+            "aq_http_connections", "Client connections open, within AQ_MAX_CONNECTIONS", registry=r
+        )
+        self.http_over_cap = Counter(
+            "aq_http_connections_over_cap",
+            "Connections accepted past AQ_MAX_CONNECTIONS, by answer: 503, healthz (answered "
+            "anyway), closed (at accept, the refusal lane full too)",
+            ["answer"],
+            registry=r,
+        )
+        self.http_timeouts = Counter(
+            "aq_http_timeouts",
+            "Connections closed (head) or requests answered 408 (body) for arriving too slowly",
+            ["phase"],
+            registry=r,
+        )
         self.event_subscribers = Gauge(
             "aq_event_subscribers", "Open event-stream subscribers", registry=r
         )

@@ -1,4 +1,5 @@
-"""AQ_JWT_ISSUER / AQ_JWT_AUDIENCE reach the running service: tokens must carry them."""
+"""AQ_JWT_ISSUER / AQ_JWT_AUDIENCE reach the running service: tokens must carry them; and
+AQ_JWT_MAX_TTL_S: a token that claims a longer lifetime is refused."""
 
 from __future__ import annotations
 
@@ -45,3 +46,17 @@ async def test_configured_issuer_and_audience_are_required(
             "application/problem+json",
             "unauthorized",
         )
+
+
+async def test_configured_maximum_lifetime_is_enforced(harness: Harness) -> None:
+    h = harness
+    instance = await h.start_instance(jwt_max_ttl_s=600)
+    statuses = []
+    for ttl_s in (600, 601, 3600):
+        token = mint_token("u", JWT_SECRET, ttl_s=ttl_s)
+        async with h.http.get(
+            f"{instance.base_url}/v1/credits", headers={"Authorization": f"Bearer {token}"}
+        ) as r:
+            body = await r.json(content_type=None)
+            statuses.append((r.status, body.get("code")))
+    assert statuses == [(200, None), (401, "unauthorized"), (401, "unauthorized")]

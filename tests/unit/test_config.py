@@ -106,6 +106,14 @@ def test_a_transaction_pooler_needs_the_direct_url_too() -> None:
         Settings(**COMPLETE, database_pooler="statement")
 
 
+def test_the_metrics_token_is_optional_and_never_generated(tmp_path: Path) -> None:
+    assert missing_for_serve(Settings(**COMPLETE)) == []  # no AQ_METRICS_TOKEN
+    assert Settings(data_dir=tmp_path).for_development().metrics_token is None
+    guarded = Settings(**COMPLETE, metrics_token="scrape-secret")
+    assert guarded.secret("metrics_token") == "scrape-secret"
+    assert "scrape-secret" not in repr(guarded) + str(guarded)
+
+
 def test_development_stand_ins_are_asked_for_by_name(tmp_path: Path) -> None:
     production = Settings(**COMPLETE)
     assert production.mode is Mode.PRODUCTION

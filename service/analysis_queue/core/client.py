@@ -25,6 +25,9 @@ from analysis_queue.errors import (
 log = logging.getLogger(__name__)
 
 SIGNATURE_PREFIX = "sha256="
+SIGNATURE_LEN = len(SIGNATURE_PREFIX) + 64  # hex of a SHA-256 digest, as hexdigest() writes it
+HEX_DIGITS = frozenset("0123456789abcdef")
+TIMESTAMP_MAX_DIGITS = 12  # Unix seconds; 10 digits until the year 2286
 CALLBACK_WINDOW_S = 300.0
 CORE_TIMEOUT_S = 10.0
 CORE_CONNECTIONS_MAX = 100
@@ -55,6 +58,44 @@ def sign_callback(secret: str, timestamp: int, body: bytes) -> str:
     return SIGNATURE_PREFIX + digest
 
 
+def callback_timestamp(
+    secret: str,
+    timestamp_header: str | None,
+    signature_header: str | None,
+    *,
+    now: float,
+    window_s: float = CALLBACK_WINDOW_S,
+) -> int | None:
+    """The timestamp of a callback whose headers could verify: a secret is configured, the
+    timestamp is digits within ``window_s`` of ``now``, the signature is ``sha256=`` and 64
+    hex digits. None otherwise. It needs no body, so a forged or stale callback is refused
+    before its body is read."""
+    # An empty secret would let anyone forge callbacks, so it verifies nothing.
+    if not secret or timestamp_header is None or signature_header is None:
+        return None
+    # int() alone would also accept " 12", "+12" and "1_2"; Core only ever sends digits. The
+    # length bound keeps int() away from an 8 KiB header (ValueError past 4300 digits).
+    if not (
+        0 < len(timestamp_header) <= TIMESTAMP_MAX_DIGITS
+        and timestamp_header.isascii()
+        and timestamp_header.isdigit()
+    ):
+        return None
+    timestamp = int(timestamp_header)
+    if abs(now - timestamp) > window_s:
+        return None
+    digest = signature_header.removeprefix(SIGNATURE_PREFIX)
+    if len(signature_header) != SIGNATURE_LEN or not HEX_DIGITS.issuperset(digest):
+        return None
+    return timestamp
+
+
+def signature_matches(secret: str, timestamp: int, signature_header: str, body: bytes) -> bool:
+    """The HMAC comparison, in constant time, once :func:`callback_timestamp` passed."""
+    expected = sign_callback(secret, timestamp, body)
+    return hmac.compare_digest(expected.encode("utf-8"), signature_header.encode("utf-8"))
+
+
 def verify_callback(
     secret: str,
     timestamp_header: str | None,
@@ -65,19 +106,12 @@ def verify_callback(
     window_s: float = CALLBACK_WINDOW_S,
 ) -> bool:
     """True only for a well-formed, fresh callback signed with ``secret``."""
-    # An empty secret would let anyone forge callbacks, so it verifies nothing.
-    if not secret or timestamp_header is None or signature_header is None:
+    timestamp = callback_timestamp(
+        secret, timestamp_header, signature_header, now=now, window_s=window_s
+    )
+    if timestamp is None or signature_header is None:
         return False
-    # int() alone would also accept " 12", "+12" and "1_2"; Core only ever sends digits.
-    if not (timestamp_header.isascii() and timestamp_header.isdigit()):
-        return False
-    timestamp = int(timestamp_header)
-    if abs(now - timestamp) > window_s:
-        return False
-    if not signature_header.startswith(SIGNATURE_PREFIX):
-        return False
-    expected = sign_callback(secret, timestamp, body)
-    return hmac.compare_digest(expected.encode("utf-8"), signature_header.encode("utf-8"))
+    return signature_matches(secret, timestamp, signature_header, body)
 
 
 class Verdict(BaseModel):

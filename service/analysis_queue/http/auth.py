@@ -15,6 +15,9 @@ from analysis_queue import errors
 
 ALGORITHM = "HS256"
 TOKEN_TTL_S = 24 * 3600
+# The longest lifetime a user token may claim (AQ_JWT_MAX_TTL_S): without it a token minted
+# with ``exp = 10**30`` is a credential for ever, and there is no revocation list.
+MAX_TOKEN_TTL_S = 24 * 3600
 MAX_USER_ID_LEN = 200
 # Clock skew tolerated on ``nbf`` and ``iat`` (a token minted by a clock slightly ahead of ours).
 LEEWAY_S = 30
@@ -35,27 +38,35 @@ def user_from_header(
     *,
     issuer: str | None = None,
     audience: str | None = None,
+    max_ttl_s: float = MAX_TOKEN_TTL_S,
 ) -> str:
     """The user id (``sub``) of a valid token; Unauthorized otherwise."""
-    return JwtPolicy(secret, issuer or None, audience or None).verify(_bearer(header))[0]
+    policy = JwtPolicy(secret, issuer or None, audience or None, max_ttl_s)
+    return policy.verify(_bearer(header))[0]
 
 
 @dataclass(frozen=True, slots=True)
 class JwtPolicy:
     """What a user token must satisfy: HS256 with ``secret``, ``sub`` and ``exp``, and ``iss`` /
     ``aud`` equal to the configured values when those are set (a token that carries an ``aud``
-    is refused when no audience is configured: it was meant for someone else)."""
+    is refused when no audience is configured: it was meant for someone else), and a lifetime
+    of at most ``max_ttl_s``."""
 
     secret: str
     issuer: str | None = None
     audience: str | None = None
+    max_ttl_s: float = MAX_TOKEN_TTL_S
 
     def verify(self, token: str) -> tuple[str, int]:
         """(sub, exp) of a valid token.
 
         ``nbf`` and ``iat`` are honoured when present, with ``LEEWAY_S`` of tolerance for an
         issuer whose clock runs ahead of ours. ``exp`` gets none: a token is never accepted
-        after its stated expiry, so a verified token can be cached until exactly ``exp``."""
+        after its stated expiry, so a verified token can be cached until exactly ``exp``.
+
+        The lifetime is ``exp - iat``; a token without ``iat`` is judged by what is left of it,
+        ``exp - now`` (with the same leeway). Either way a token accepted now is valid for at
+        most ``max_ttl_s`` more, which only shrinks while it sits in a cache."""
         required = ["sub", "exp"]
         if self.issuer is not None:
             required.append("iss")
@@ -78,12 +89,26 @@ class JwtPolicy:
             raise errors.Unauthorized("The token is not valid yet.") from exc
         except (jwt.PyJWTError, ValueError, TypeError, OverflowError) as exc:
             raise errors.Unauthorized("The token is invalid.") from exc
-        if exp <= time.time():
+        now = time.time()
+        if exp <= now:
             raise errors.Unauthorized("The token has expired.")
+        self._check_lifetime(claims.get("iat"), exp, now)
         sub = claims.get("sub")
         if not isinstance(sub, str) or not 0 < len(sub) <= MAX_USER_ID_LEN or not sub.isprintable():
             raise errors.Unauthorized("The token's subject is not a valid user id.")
         return sub, exp
+
+    def _check_lifetime(self, iat: Any, exp: int, now: float) -> None:
+        # pyjwt has checked that an ``iat`` converts with int() and lies no later than now
+        # plus the leeway, so the remaining lifetime is bounded by the stated one.
+        if iat is not None:
+            too_long = exp - int(iat) > self.max_ttl_s
+        else:
+            too_long = exp - now > self.max_ttl_s + LEEWAY_S
+        if too_long:
+            raise errors.Unauthorized(
+                f"The token's lifetime is longer than the {self.max_ttl_s:g} s allowed."
+            )
 
 
 class TokenCache:
@@ -91,8 +116,9 @@ class TokenCache:
     again. A hit is still checked against the token's expiry; bounded, oldest evicted.
 
     The key is the token itself: everything else verification depends on (secret, issuer,
-    audience) is fixed for the cache's lifetime, and a token's own ``nbf`` lies in the past
-    once it has been verified, so the one thing that can change a verdict is ``exp``."""
+    audience, maximum lifetime) is fixed for the cache's lifetime, and a token's own ``nbf``
+    lies in the past once it has been verified, so the one thing that can change a verdict is
+    ``exp``."""
 
     def __init__(
         self,
@@ -101,8 +127,9 @@ class TokenCache:
         *,
         issuer: str | None = None,
         audience: str | None = None,
+        max_ttl_s: float = MAX_TOKEN_TTL_S,
     ) -> None:
-        self._policy = JwtPolicy(secret, issuer or None, audience or None)
+        self._policy = JwtPolicy(secret, issuer or None, audience or None, max_ttl_s)
         self._max = max_entries
         self._entries: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
@@ -120,10 +147,16 @@ class TokenCache:
         return sub
 
 
-def require_admin(header: str | None, admin_token: str) -> None:
+def require_bearer(header: str | None, expected: str, message: str) -> None:
+    """Unauthorized unless the header carries exactly ``expected`` (compared in constant time;
+    an empty ``expected`` admits nobody)."""
     token = _bearer(header)
-    if not admin_token or not hmac.compare_digest(token.encode(), admin_token.encode()):
-        raise errors.Unauthorized("Admin credentials required.")
+    if not expected or not hmac.compare_digest(token.encode(), expected.encode()):
+        raise errors.Unauthorized(message)
+
+
+def require_admin(header: str | None, admin_token: str) -> None:
+    require_bearer(header, admin_token, "Admin credentials required.")
 
 
 def mint_token(

@@ -426,6 +426,7 @@ _PROBLEMS: dict[int, str] = {
     401: "unauthorized: missing, invalid or expired credentials.",
     402: "insufficient_credits.",
     404: "not_found.",
+    408: "request_timeout: the body did not arrive within AQ_BODY_TIMEOUT_S.",
     409: "A conflict; see `code`.",
     413: "payload_too_large: the body exceeds 1 MiB; job_too_large: the thesis and sources "
     "together take more than `AQ_JOB_MAX_BYTES` (64 KiB by default; `limit_bytes` says).",
@@ -433,7 +434,8 @@ _PROBLEMS: dict[int, str] = {
     422: "invalid_body (with `errors`), or Core's refusal: invalid_source, unparseable_thesis.",
     429: "provider_budget_exhausted, or too_many_streams (event streams): try again later.",
     502: "core_run_gone.",
-    503: "core_unavailable, database_unavailable or shutting_down: try again shortly.",
+    503: "core_unavailable, database_unavailable, shutting_down or too_many_connections: try "
+    "again shortly.",
 }
 
 
@@ -571,6 +573,7 @@ OPERATIONS: dict[RouteKey, Operation] = {
         parameters=tuple(_CORE_HEADERS),
         description="Core is trusted only through this signature: an unsigned, wrongly signed "
         f"or stale (more than {int(CALLBACK_WINDOW_S)} s) callback is 401 invalid_signature. "
+        "Missing, malformed or stale signature headers are refused before the body is read. "
         "Events are idempotent; an unknown run is acknowledged (200 unknown_run).",
         tag="core",
     ),
@@ -578,8 +581,11 @@ OPERATIONS: dict[RouteKey, Operation] = {
         "metrics",
         "Prometheus metrics of this instance (open jobs from the database, counters since start)",
         {200: "text/plain"},
-        (),
+        (401, 503),
         security=None,
+        description="When `AQ_METRICS_TOKEN` is set, it must come as `Authorization: Bearer` "
+        "(401 otherwise). The gauges read from the database are at most `AQ_METRICS_CACHE_S` "
+        "(5 s) old: scrapes more frequent than that do not reach the database.",
         tag="health",
     ),
     ("GET", "/healthz"): Operation(
@@ -720,7 +726,9 @@ def _operation(key: RouteKey, op: Operation) -> dict[str, Any]:
         if op.ok_headers and status < 400:
             response["headers"] = op.ok_headers
         responses[str(status)] = response
-    for status in op.problems:
+    # A body is read within AQ_BODY_TIMEOUT_S (http/routes.py::_read_body).
+    statuses = (*op.problems, 408) if op.body is not None else op.problems
+    for status in statuses:
         responses[str(status)] = _problem_response(status)
     spec: dict[str, Any] = {
         "operationId": op.operation_id,

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from analysis_queue import errors
 
@@ -23,6 +24,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATUS: dict[type[errors.AppError], int] = {
     errors.AppError: 500,
     errors.MalformedRequest: 400,
+    errors.MalformedHttp: 400,
     errors.BadRequest: 400,
     errors.InvalidParameter: 400,
     errors.Unauthorized: 401,
@@ -31,12 +33,14 @@ STATUS: dict[type[errors.AppError], int] = {
     errors.Forbidden: 403,
     errors.NotFound: 404,
     errors.MethodNotAllowed: 405,
+    errors.RequestTimeout: 408,
     errors.IdempotencyKeyReused: 409,
     errors.IdempotencyInProgress: 409,
     errors.Conflict: 409,
     errors.PayloadTooLarge: 413,
     errors.JobTooLarge: 413,
     errors.UnsupportedMediaType: 415,
+    errors.HeadersTooLarge: 431,
     errors.InvalidBody: 422,
     errors.CoreRefused: 422,
     errors.InvalidSource: 422,
@@ -47,7 +51,9 @@ STATUS: dict[type[errors.AppError], int] = {
     errors.CoreUnavailable: 503,
     errors.DatabaseUnavailable: 503,
     errors.ShuttingDown: 503,
+    errors.TooManyConnections: 503,
 }
+# What a client is told to wait before it tries again, where the answer is about load.
 
 # Headers an answer must carry: RFC 9110 15.5.2, a 401 says how to authenticate.
 HEADERS: dict[type[errors.AppError], dict[str, str]] = {
@@ -59,6 +65,9 @@ HEADERS: dict[type[errors.AppError], dict[str, str]] = {
     },
 }
 
+# Answers after which the connection is closed: the rest of the request may still be arriving.
+CLOSES_CONNECTION: frozenset[type[errors.AppError]] = frozenset({errors.RequestTimeout})
+
 # aiohttp's own HTTP errors (raised before or around a handler), as the service's errors.
 _HTTP_ERRORS: dict[int, type[errors.AppError]] = {
     400: errors.MalformedRequest,
@@ -69,6 +78,16 @@ _HTTP_ERRORS: dict[int, type[errors.AppError]] = {
 }
 # Headers of aiohttp's own HTTP errors that a client needs (405 must say what is allowed).
 _KEPT_HEADERS = ("Allow",)
+# aiohttp's parser says "too many headers" only in this message (a BadHttpMessage like others).
+_TOO_MANY_HEADERS = "Too many headers"
+
+
+def parser_error(exc: HttpProcessingError) -> errors.AppError:
+    """What aiohttp's HTTP parser refused, before any route ran, as the service's error: an
+    oversized line or too many headers is 431, anything else it cannot parse is 400."""
+    if isinstance(exc, LineTooLong) or _TOO_MANY_HEADERS in exc.message:
+        return errors.HeadersTooLarge()
+    return errors.MalformedHttp()
 
 
 def status_of(error: errors.AppError | type[errors.AppError]) -> int:
@@ -79,26 +98,39 @@ def status_of(error: errors.AppError | type[errors.AppError]) -> int:
     return 500
 
 
-def problem(
-    error: errors.AppError, instance: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    status = status_of(error)
+def problem_document(error: errors.AppError, instance: str) -> dict[str, Any]:
+    """The RFC 9457 document of ``error``."""
     body: dict[str, Any] = {
         "type": PROBLEM_TYPE_BASE + error.code,
         "title": error.title,
-        "status": status,
+        "status": status_of(error),
         "detail": error.detail,
         "code": error.code,
         "instance": instance,
     }
     body.update({k: v for k, v in error.extra.items() if k not in body})
+    return body
+
+
+def headers_of(error: errors.AppError) -> dict[str, str]:
+    """The headers ``error``'s answer carries: how to authenticate, when to retry."""
     retry = {} if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
-    return web.Response(
-        body=orjson.dumps(body),
+    return {**HEADERS.get(type(error), {}), **retry}
+
+
+def problem(
+    error: errors.AppError, instance: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    status = status_of(error)
+    response = web.Response(
+        body=orjson.dumps(problem_document(error, instance)),
         status=status,
         content_type="application/problem+json",
-        headers={**HEADERS.get(type(error), {}), **retry, **(headers or {})},
+        headers={**headers_of(error), **(headers or {})},
     )
+    if type(error) in CLOSES_CONNECTION:
+        response.force_close()
+    return response
 
 
 @web.middleware

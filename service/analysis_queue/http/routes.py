@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -13,8 +14,8 @@ import pydantic
 from aiohttp import web
 
 from analysis_queue import errors
-from analysis_queue.core.client import CoreRun, verify_callback
-from analysis_queue.http.auth import require_admin
+from analysis_queue.core.client import CoreRun, callback_timestamp, signature_matches
+from analysis_queue.http.auth import require_admin, require_bearer
 from analysis_queue.http.bodies import (
     CONTROL_CHARS,
     MAX_USER_ID_CHARS,
@@ -28,7 +29,6 @@ from analysis_queue.http.problems import Handler
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.logs import request_id_var
 from analysis_queue.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from analysis_queue.models import OPEN_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,21 @@ def _user(request: web.Request) -> str:
     return _services(request).tokens.user(request.headers.get("Authorization"))
 
 
+async def _read_body(request: web.Request) -> bytes:
+    """The whole body, within AQ_BODY_TIMEOUT_S: a client that stops halfway gets 408 instead of
+    holding the handler and its connection for ever. Past client_max_size (a chunked body: a
+    stated Content-Length is refused before this) aiohttp raises HTTPRequestEntityTooLarge."""
+    services = _services(request)
+    try:
+        async with asyncio.timeout(services.settings.body_timeout_s):
+            return await request.read()
+    except TimeoutError as exc:
+        services.metrics.http_timeouts.labels("body").inc()
+        raise errors.RequestTimeout(
+            f"The request body did not arrive within {services.settings.body_timeout_s:g} s."
+        ) from exc
+
+
 async def _body(request: web.Request, model: type[Model]) -> Model:
     if request.content_type != "application/json":
         raise errors.UnsupportedMediaType()
@@ -72,7 +87,7 @@ async def _body(request: web.Request, model: type[Model]) -> Model:
         raise errors.UnsupportedMediaType("JSON must be UTF-8 (RFC 8259).")
     if request.content_length is not None and request.content_length > request.client_max_size:
         raise errors.PayloadTooLarge()  # said before a byte of it is read
-    raw = await request.read()  # a chunked body past client_max_size: HTTPRequestEntityTooLarge
+    raw = await _read_body(request)
     try:
         data = orjson.loads(raw)  # refuses invalid UTF-8, lone surrogates, NaN/Infinity, depth
     except (orjson.JSONDecodeError, RecursionError) as exc:
@@ -254,14 +269,19 @@ async def set_user_limit(request: web.Request) -> web.Response:
 @routes.post("/v1/core/events")
 async def core_event(request: web.Request) -> web.Response:
     services = _services(request)
-    raw = await request.read()
-    if not verify_callback(
-        services.settings.secret("core_callback_secret"),
-        request.headers.get("X-Core-Timestamp"),
-        request.headers.get("X-Core-Signature"),
-        raw,
-        now=time.time(),
-    ):
+    secret = services.settings.secret("core_callback_secret")
+    signature = request.headers.get("X-Core-Signature", "")
+    timestamp = callback_timestamp(
+        secret, request.headers.get("X-Core-Timestamp"), signature, now=time.time()
+    )
+    if timestamp is None:
+        # Missing, malformed or stale headers: refused before a byte of the body is read, so a
+        # forger cannot make the instance hold a connection and buffer a megabyte for nothing.
+        raise errors.InvalidSignature()
+    if request.content_length is not None and request.content_length > request.client_max_size:
+        raise errors.PayloadTooLarge()
+    raw = await _read_body(request)
+    if not signature_matches(secret, timestamp, signature, raw):
         raise errors.InvalidSignature()
     try:
         run = CoreRun.from_json(orjson.loads(raw))
@@ -277,15 +297,12 @@ async def core_event(request: web.Request) -> web.Response:
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     services = _services(request)
+    token = services.settings.secret("metrics_token")
+    if token:
+        require_bearer(request.headers.get("Authorization"), token, "Metrics credentials required.")
     m = services.metrics
-    counts = await services.db.open_job_counts()
-    for status in OPEN_STATUSES:
-        m.jobs.labels(status).set(counts.get(status, 0))
-    capacity = await services.db.capacity()
-    m.ceiling.set(capacity.ceiling or 0)
-    m.slots_in_use.set(capacity.active)
-    m.waiting_for_capacity.labels("jobs").set(capacity.jobs_waiting)
-    m.waiting_for_capacity.labels("users").set(capacity.users_waiting)
+    await services.gauges.refresh()  # the database, at most once per AQ_METRICS_CACHE_S
+    m.http_connections.set(services.edge.open_connections)
     size, idle = services.db.pool_counts()
     m.pool_size.labels("total").set(size)
     m.pool_size.labels("idle").set(idle)

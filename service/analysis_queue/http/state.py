@@ -10,6 +10,8 @@ from analysis_queue.config import Settings
 from analysis_queue.core.client import CoreClient
 from analysis_queue.core.sim import CoreSimulator
 from analysis_queue.http.auth import TokenCache
+from analysis_queue.http.edge import Edge
+from analysis_queue.http.scrape import DatabaseGauges
 from analysis_queue.loops.hub import EventHub
 from analysis_queue.loops.listener import Listener
 from analysis_queue.loops.sweep import Sweeper
@@ -35,6 +37,8 @@ class Services:
     listener: Listener | None
     tokens: TokenCache
     events: EventHub
+    gauges: DatabaseGauges
+    edge: Edge
     simulator: CoreSimulator | None = None
     migrated: bool = False
     stopping: bool = False

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from analysis_queue.core.client import CoreRun, sign_callback, verify_callback
+from analysis_queue.core.client import CoreRun, callback_timestamp, sign_callback, verify_callback
 
 SECRET = "test-callback-secret"
 
@@ -54,6 +54,26 @@ def test_stale_or_future_timestamp_does_not_verify(skew_s: int) -> None:
     timestamp, signature, body = _signed(at=int(now) + skew_s)
     assert not verify_callback(SECRET, timestamp, signature, body, now=now)
     assert verify_callback(SECRET, timestamp, signature, body, now=now, window_s=20_000)
+
+
+def test_headers_are_judged_without_the_body() -> None:
+    """What the callback route checks before reading a body: enough to refuse a forgery or a
+    replay, never enough to accept one."""
+    timestamp, signature, _ = _signed()
+    now = time.time()
+    assert callback_timestamp(SECRET, timestamp, signature, now=now) == int(timestamp)
+    for bad_timestamp, bad_signature in [
+        (None, signature),
+        (timestamp, None),
+        ("1" * 5000, signature),  # int() of it would raise, not refuse
+        (str(int(now) - 301), signature),
+        (timestamp, signature[:-1]),
+        (timestamp, signature + "0"),
+        (timestamp, signature.upper()),
+        (timestamp, "sha1=" + "0" * 40),
+    ]:
+        assert callback_timestamp(SECRET, bad_timestamp, bad_signature, now=now) is None
+    assert callback_timestamp("", timestamp, signature, now=now) is None
 
 
 def test_core_run_from_json() -> None:

@@ -135,3 +135,81 @@ def test_cache_does_not_admit_a_token_before_its_nbf() -> None:
         with pytest.raises(errors.Unauthorized):
             cache.user(f"Bearer {early}")
     assert not cache._entries
+
+
+# -- maximum lifetime (AQ_JWT_MAX_TTL_S) ----------------------------------------------------------
+
+
+def test_a_lifetime_longer_than_the_maximum_is_refused() -> None:
+    now = int(time.time())
+    day = 24 * 3600
+    assert _user(_token(iat=now, exp=now + day)) == "alice"  # exactly the maximum
+    for claims in (
+        {"iat": now, "exp": now + day + 1},
+        {"iat": now, "exp": 10**30},  # valid "for ever"
+        {"iat": now - 29 * day, "exp": now + 60},  # a 29-day token, nearly spent: still refused
+    ):
+        with pytest.raises(errors.Unauthorized, match="lifetime"):
+            _user(_token(**claims))
+
+
+def test_without_iat_what_is_left_of_the_token_counts() -> None:
+    now = int(time.time())
+    day = 24 * 3600
+    assert _user(_token(exp=now + day)) == "alice"
+    assert _user(_token(exp=now + day + LEEWAY_S - 5)) == "alice"  # an issuer's clock ahead
+    for exp in (now + day + LEEWAY_S + 60, 10**30):
+        with pytest.raises(errors.Unauthorized, match="lifetime"):
+            _user(_token(exp=exp))
+
+
+def test_a_configured_maximum_applies_to_verification_and_the_cache() -> None:
+    now = int(time.time())
+    hour_token = _token(iat=now, exp=now + 3600)
+    with pytest.raises(errors.Unauthorized, match="lifetime"):
+        JwtPolicy(SECRET, max_ttl_s=600).verify(hour_token)
+    assert JwtPolicy(SECRET, max_ttl_s=3600).verify(hour_token)[0] == "alice"
+    cache = TokenCache(SECRET, max_ttl_s=600)
+    for _ in range(2):
+        with pytest.raises(errors.Unauthorized, match="lifetime"):
+            cache.user(f"Bearer {hour_token}")
+    assert not cache._entries
+    week = 7 * 24 * 3600
+    assert TokenCache(SECRET, max_ttl_s=week).user(f"Bearer {mint_token('a', SECRET, week)}")
+
+
+def _cli_env(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
+    monkeypatch.setenv("AQ_JWT_SECRET", SECRET)
+    monkeypatch.setenv("AQ_ADMIN_TOKEN", "admin")
+    monkeypatch.setenv("AQ_CORE_CALLBACK_SECRET", "callback")
+    for name, value in extra.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_cli_token_cannot_be_minted_past_the_maximum(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cli_env(monkeypatch)
+    assert cli.main(["token", "carol", "--ttl", str(24 * 3600 + 1)]) == cli.EXIT_USAGE
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "--ttl" in out.err and "AQ_JWT_MAX_TTL_S" in out.err and "86400" in out.err
+    assert cli.main(["token", "carol", "--ttl", "0"]) == cli.EXIT_USAGE
+    capsys.readouterr()
+
+    assert cli.main(["token", "carol"]) == 0  # the default lifetime is within the maximum
+    token = capsys.readouterr().out.strip()
+    claims = jwt.decode(token, SECRET, algorithms=["HS256"])
+    assert claims["exp"] - claims["iat"] == 24 * 3600
+    assert TokenCache(SECRET).user(f"Bearer {token}") == "carol"
+
+
+def test_cli_token_follows_a_shorter_maximum(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cli_env(monkeypatch, AQ_JWT_MAX_TTL_S="600")
+    assert cli.main(["token", "carol"]) == 0
+    claims = jwt.decode(capsys.readouterr().out.strip(), SECRET, algorithms=["HS256"])
+    assert claims["exp"] - claims["iat"] == 600
+    assert cli.main(["token", "carol", "--ttl", "601"]) == cli.EXIT_USAGE
+    assert "600" in capsys.readouterr().err
