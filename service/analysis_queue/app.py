@@ -47,7 +47,7 @@ from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.followup import FollowUp, Trigger
 from analysis_queue.queue.promote import Promoter
-from analysis_queue.store.database import Database
+from analysis_queue.store.database import Database, Timeouts
 from analysis_queue.store.driver import StartupParametersRefused
 from analysis_queue.store.embedded import EmbeddedUnavailable, start_embedded
 from analysis_queue.store.migrate import apply_migrations
@@ -110,6 +110,10 @@ async def open_database(settings: Settings, dsns: Dsns) -> Database:
                 min_size=settings.pool_min_size,
                 max_size=settings.pool_max_size,
                 application_name=f"analysis-queue {settings.instance_id}",
+                timeouts=Timeouts(
+                    acquire_s=settings.db_acquire_timeout_s,
+                    statement_s=settings.db_statement_timeout_s,
+                ),
             )
         except StartupParametersRefused as exc:
             raise StartupError(

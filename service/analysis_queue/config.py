@@ -173,6 +173,15 @@ class Settings(BaseSettings):
     listen_enabled: bool = Field(default=True, description="Off only to test the sweep alone.")
     pool_min_size: int = Field(default=2, ge=1)
     pool_max_size: int = Field(default=10, ge=1)
+    db_acquire_timeout_s: float = Field(
+        default=2.0, gt=0, description="How long a query waits for a pooled connection; then 503."
+    )
+    db_statement_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How long a statement may take, lock waits included; then it is cancelled "
+        "and the request answers 503.",
+    )
     dispatch_concurrency: int = Field(default=32, ge=1)
     release_backoff_base_s: float = Field(default=1.0, gt=0)
     release_backoff_max_s: float = Field(default=60.0, gt=0)

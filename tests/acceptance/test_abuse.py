@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from analysis_queue.http.auth import mint_token
 from procs import SECRETS, Proc, base_env, cli
-from support import free_port, wait_for
+from support import free_port, thesis_body, wait_for
 
 pytestmark = pytest.mark.acceptance
 
@@ -68,7 +68,15 @@ async def _ready(http: aiohttp.ClientSession, url: str, proc: Proc) -> None:
 
 
 @pytest.fixture
-async def service(database_url: str, tmp_path: Path) -> AsyncIterator[Service]:
+def service_env() -> dict[str, str]:
+    """Settings a probe adds to the service's (overridden per test)."""
+    return {}
+
+
+@pytest.fixture
+async def service(
+    database_url: str, tmp_path: Path, service_env: dict[str, str]
+) -> AsyncIterator[Service]:
     port, sim_port = free_port(), free_port()
     sim = Proc(
         "core-sim",
@@ -91,6 +99,7 @@ async def service(database_url: str, tmp_path: Path) -> AsyncIterator[Service]:
         AQ_PORT=str(port),
         AQ_LOG_LEVEL="WARNING",
         AQ_SWEEP_INTERVAL_S="0",
+        **service_env,
     )
     proc = Proc("serve", cli("serve"), env, tmp_path / "serve.log")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
@@ -239,3 +248,144 @@ async def test_an_idle_stream_of_a_long_queue_receives_little_per_promotion(
     )
     assert received < 1_000_000, received
     assert received > 20 * 200, "it did receive the promotions"
+
+
+def _p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+async def test_with_a_table_locked_admits_fail_fast_and_readiness_answers(
+    service: Service, database_url: str
+) -> None:
+    """The defaults: a query waits at most 2 s for a pooled connection and 5 s for its
+    statement. 100 clicks while a migration-like lock is held on the jobs table for up to 20 s."""
+    s = service
+    users = [f"clicker-{n}" for n in range(50)]
+    for user in users:
+        await s.grant(user, 2)
+    import asyncpg
+
+    blocker = await asyncpg.connect(database_url)
+    answers: list[tuple[int, str | None, float]] = []
+
+    async def click(user: str, n: int) -> None:
+        started = time.monotonic()
+        async with s.http.post(
+            f"{s.base}/v1/analyses", json=thesis_body(n), headers=s.auth(user)
+        ) as r:
+            await r.read()
+            answers.append((r.status, r.headers.get("Retry-After"), time.monotonic() - started))
+
+    try:
+        await blocker.execute("BEGIN; LOCK TABLE analysis_jobs IN ACCESS EXCLUSIVE MODE")
+        held_at = time.monotonic()
+        clicks = asyncio.gather(*(click(u, n) for u in users for n in range(2)))
+        ready: list[tuple[int, float]] = []
+        # Its own client: the clicks hold the shared session's hundred connections.
+        async with aiohttp.ClientSession() as probe:
+            while not clicks.done():
+                started = time.monotonic()
+                async with probe.get(f"{s.base}/readyz") as r:
+                    ready.append((r.status, time.monotonic() - started))
+                await asyncio.sleep(0.2)
+        await clicks
+        assert time.monotonic() - held_at < 20, "every click was answered while the lock held"
+    finally:
+        await blocker.execute("ROLLBACK")
+        await blocker.close()
+    statuses = sorted({status for status, _, _ in answers})
+    slowest = max(took for _, _, took in answers)
+    print(
+        f"\n100 clicks behind a table lock: statuses {statuses}, slowest {slowest:.2f} s; "
+        f"/readyz {len(ready)} times, slowest {max(t for _, t in ready):.3f} s"
+    )
+    assert statuses == [503] and all(retry == "1" for _, retry, _ in answers)
+    assert slowest < 2 + 5 + 3, "the acquire and statement bounds, and Core's answer"
+    assert all(status == 200 and took < 2 for status, took in ready), ready
+    async with s.http.post(
+        f"{s.base}/v1/analyses", json=_largest_body(0), headers=s.auth(users[0])
+    ) as r:
+        assert r.status == 201, "and admits go on once the lock is gone"
+
+
+@pytest.mark.parametrize("service_env", [{"AQ_MAX_CONNECTIONS": "60", "AQ_HEADER_TIMEOUT_S": "30"}])
+async def test_stream_and_connection_caps_while_another_user_is_served(
+    service: Service,
+) -> None:
+    s = service
+    await s.grant("neighbour", 1)
+    latencies: list[float] = []
+    stop = asyncio.Event()
+
+    async def neighbour() -> None:  # another user, on a connection of their own, all along
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as own:
+            while not stop.is_set():
+                started = time.monotonic()
+                async with own.get(f"{s.base}/v1/credits", headers=s.auth("neighbour")) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+                latencies.append(time.monotonic() - started)
+                await asyncio.sleep(0.01)
+
+    served = asyncio.create_task(neighbour())
+    streams: list[aiohttp.ClientResponse] = []
+    sockets: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(20):
+            streams.append(await s.http.get(f"{s.base}/v1/events", headers=s.auth("hoarder")))
+        assert [r.status for r in streams] == [200] * 20
+        async with s.http.get(f"{s.base}/v1/events", headers=s.auth("hoarder")) as refused:
+            assert refused.status == 429 and refused.headers["Retry-After"].isdigit()
+            assert (await refused.json())["code"] == "too_many_streams"
+        # Idle sockets that never send a request: as many as the cap allows, and one more.
+        host, port = s.base.removeprefix("http://").split(":")
+
+        async def idle(count: int) -> None:
+            for _ in range(count):
+                _, writer = await asyncio.open_connection(host, int(port))
+                sockets.append(writer)
+
+        async def connections() -> int:  # as the instance counts them (this one's included)
+            async with s.http.get(f"{s.base}/metrics") as r:
+                text = await r.text()
+            line = next(ln for ln in text.splitlines() if ln.startswith("aq_http_connections "))
+            return int(float(line.split()[1]))
+
+        while await connections() < 60:
+            await idle(1)
+        async with aiohttp.ClientSession() as fresh:
+            async with fresh.get(f"{s.base}/v1/credits", headers=s.auth("neighbour")) as r:
+                over_cap = r.status
+                assert r.headers.get("Retry-After") == "1"
+            async with fresh.get(f"{s.base}/healthz") as r:
+                health = r.status
+        # Far past the cap (and its small refusal lane): refused at once, never left hanging.
+        await idle(60)
+        refused_in: list[float] = []
+        for _ in range(10):
+            started = time.monotonic()
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as fresh:
+                try:
+                    async with fresh.get(f"{s.base}/v1/credits") as r:
+                        assert r.status == 503
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                    pass  # closed at accept
+            refused_in.append(time.monotonic() - started)
+        await asyncio.sleep(1.0)  # the neighbour keeps asking meanwhile
+    finally:
+        stop.set()
+        await served
+        for stream in streams:
+            stream.close()
+        for writer in sockets:
+            writer.close()
+    p99 = _p99(latencies)
+    print(
+        f"\n20 streams + 1 refused (429), idle sockets up to a cap of 60: a new request "
+        f"{over_cap}, /healthz {health}; 60 more: refused within {max(refused_in):.3f} s; the "
+        f"neighbour: {len(latencies)} requests, p99 {p99 * 1000:.1f} ms"
+    )
+    assert (over_cap, health) == (503, 200)
+    assert max(refused_in) < 2.5, refused_in
+    assert p99 < 0.25, p99

@@ -279,3 +279,69 @@ async def test_a_stream_ends_after_its_lifetime_and_resumes_where_it_ended(
         resumed = await asyncio.wait_for(again.read(), 10)
     assert f"id: {head}\n".encode() in resumed and b"event: snapshot" not in resumed
     assert hub.subscribers == 0
+
+
+async def _timed_get(h: Harness, inst: Instance, path: str, user: str | None = "u") -> Any:
+    started = asyncio.get_running_loop().time()
+    headers = h.auth(user) if user else {}
+    async with h.http.get(f"{inst.base_url}{path}", headers=headers) as r:
+        body = await r.json(content_type=None)
+        return (
+            r.status,
+            r.headers.get("Retry-After"),
+            body,
+            asyncio.get_running_loop().time() - started,
+        )
+
+
+async def test_a_request_that_cannot_get_a_connection_fails_fast_and_readiness_still_answers(
+    harness: Harness,
+) -> None:
+    h = harness
+    inst = await h.start_instance(pool_min_size=2, pool_max_size=2, db_acquire_timeout_s=0.3)
+    await h.grant("u", 1)
+    pool = inst.services.db.pool
+    held = [await pool.acquire() for _ in range(2)]  # every pooled connection is busy
+    try:
+        status, retry, body, took = await _timed_get(h, inst, "/v1/credits")
+        assert (status, body["code"]) == (503, "database_unavailable") and retry == "1"
+        assert 0.3 <= took < 2.0, took
+        status, _, body, took = await _timed_get(h, inst, "/readyz", user=None)
+        assert (status, body["checks"]["database"]) == (200, True), body
+        assert took < 1.0, "readiness has a connection of its own"
+    finally:
+        for conn in held:
+            await pool.release(conn)
+    status, _, body, _ = await _timed_get(h, inst, "/v1/credits")
+    assert (status, body) == (200, {"balance": 1})
+
+
+async def test_a_statement_stuck_behind_a_lock_is_cancelled_after_its_bound(
+    harness: Harness,
+) -> None:
+    h = harness
+    inst = await h.start_instance(db_statement_timeout_s=0.5)
+    await h.grant("u", 1)
+    blocker = await h.db()
+    try:
+        await blocker.execute("BEGIN; LOCK TABLE credit_accounts IN ACCESS EXCLUSIVE MODE")
+        status, retry, body, took = await _timed_get(h, inst, "/v1/credits")
+        assert (status, body["code"], retry) == (503, "database_unavailable", "1")
+        assert 0.5 <= took < 3.0, took
+        status, _, _, took = await _timed_get(h, inst, "/readyz", user=None)
+        assert status == 200 and took < 1.0
+
+        async def nothing_waits() -> bool:  # the statement was cancelled, not abandoned
+            waiting = await fetchval(
+                h.database_url,
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND application_name LIKE 'analysis-queue%'",
+            )
+            return bool(waiting == 0)
+
+        await wait_for(nothing_waits, timeout_s=5, what="the pool's backend to stop waiting")
+    finally:
+        await blocker.execute("ROLLBACK")
+        await blocker.close()
+    status, _, body, _ = await _timed_get(h, inst, "/v1/credits")
+    assert (status, body) == (200, {"balance": 1})

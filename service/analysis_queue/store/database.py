@@ -9,8 +9,10 @@ transaction pooler (``driver`` says what that changes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -50,6 +52,21 @@ from analysis_queue.store.driver import (
 from analysis_queue.store.sqlfiles import queries
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """How long a query may wait, in seconds: for a pooled connection (``acquire_s``), for its
+    statement, lock waits included (``statement_s``: the driver cancels it past that), and the
+    readiness probe, on its own connection (``probe_s``). Past any of them the caller gets
+    ``DatabaseUnavailable``: a 503 with Retry-After, never a request that hangs."""
+
+    acquire_s: float = 2.0
+    statement_s: float = 5.0
+    probe_s: float = 1.0
+
+
+DEFAULT_TIMEOUTS = Timeouts()
 
 
 def _job_or_none(row: Any) -> Job | None:
@@ -101,6 +118,9 @@ class Database:
         # notification then counts as another's (a wake-up's read too many, never one missed).
         self.backend_pids = backend_pids if backend_pids is not None else set()
         self._q = queries()
+        self.timeouts = DEFAULT_TIMEOUTS
+        self._probe: asyncpg.Connection[Any] | None = None
+        self._probing = asyncio.Lock()
 
     @classmethod
     async def connect(
@@ -112,6 +132,7 @@ class Database:
         min_size: int = 2,
         max_size: int = 10,
         application_name: str = "analysis-queue",
+        timeouts: Timeouts = DEFAULT_TIMEOUTS,
     ) -> Database:
         """Open the pool on ``dsn``. Raises ``StartupParametersRefused`` when ``dsn`` is a
         pooler that ``pooler`` does not say (no retry helps), ``DatabaseUnavailable`` when the
@@ -136,7 +157,7 @@ class Database:
                     reset=keep_session,
                     server_settings=server_settings(application_name, pooler),
                     statement_cache_size=statement_cache_size(pooler),
-                    command_timeout=30,
+                    command_timeout=timeouts.statement_s,
                     timeout=CONNECT_TIMEOUT_S,
                     max_inactive_connection_lifetime=300,
                 )
@@ -144,9 +165,14 @@ class Database:
             if startup_refusal(exc.__cause__):
                 raise StartupParametersRefused(str(exc.__cause__)) from exc.__cause__
             raise
-        return cls(pool, dsn, application_name, pids, direct_dsn=direct_dsn, pooler=pooler)
+        db = cls(pool, dsn, application_name, pids, direct_dsn=direct_dsn, pooler=pooler)
+        db.timeouts = timeouts
+        return db
 
     async def close(self) -> None:
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.terminate()
         try:
             await asyncio.wait_for(self.pool.close(), timeout=5)
         except Exception:  # close() timed out: do not wait for stuck connections
@@ -154,21 +180,52 @@ class Database:
 
     # -- plumbing -----------------------------------------------------------------------------
 
-    async def _fetchrow(self, name: str, *args: Any) -> Any:
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy[Any]]:
+        """A pooled connection within the acquire bound: past it ``DatabaseUnavailable``, a
+        503 with Retry-After, instead of a request that queues for the pool without end."""
         with wrap_errors():
-            return await self.pool.fetchrow(self._q[name], *args)
+            async with self.pool.acquire(timeout=self.timeouts.acquire_s) as conn:
+                yield conn
+
+    async def _fetchrow(self, name: str, *args: Any) -> Any:
+        async with self._connection() as conn:
+            with wrap_errors():
+                return await conn.fetchrow(self._q[name], *args)
 
     async def _fetch(self, name: str, *args: Any) -> list[Any]:
-        with wrap_errors():
-            return list(await self.pool.fetch(self._q[name], *args))
+        async with self._connection() as conn:
+            with wrap_errors():
+                return list(await conn.fetch(self._q[name], *args))
 
     async def _execute(self, name: str, *args: Any) -> str:
-        with wrap_errors():
-            return await self.pool.execute(self._q[name], *args)
+        async with self._connection() as conn:
+            with wrap_errors():
+                return await conn.execute(self._q[name], *args)
 
     async def ping(self) -> None:
-        with wrap_errors():
-            await self.pool.fetchval("SELECT 1", timeout=2)
+        """Whether the database answers, on a connection of its own: readiness must not wait
+        behind requests for the pool (nor fail because they hold it all). Bounded by
+        ``timeouts.probe_s``; a probe that fails drops its connection and the next one opens a
+        new one."""
+        async with self._probing:
+            try:
+                async with asyncio.timeout(self.timeouts.probe_s):
+                    with wrap_errors():
+                        if self._probe is None or self._probe.is_closed():
+                            self._probe = await asyncpg.connect(
+                                self.dsn,
+                                server_settings={
+                                    "application_name": f"{self.application_name}-probe"[:63]
+                                },
+                                statement_cache_size=0,
+                            )
+                        await self._probe.fetchval("SELECT 1")
+            except (errors.DatabaseUnavailable, TimeoutError) as exc:
+                probe, self._probe = self._probe, None
+                if probe is not None:
+                    probe.terminate()
+                raise errors.DatabaseUnavailable() from exc
 
     # -- admission ---------------------------------------------------------------------------
 
