@@ -301,7 +301,15 @@ def _make_services(
         ),
         metrics,
     )
-    hub = EventHub(db, HubSettings(), metrics)
+    hub = EventHub(
+        db,
+        HubSettings(
+            max_streams_per_user=settings.event_streams_per_user,
+            max_streams=settings.event_streams_max,
+            max_stream_s=settings.event_stream_max_s,
+        ),
+        metrics,
+    )
     listener = None
     if settings.listen_enabled:
 

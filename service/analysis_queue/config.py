@@ -173,6 +173,15 @@ class Settings(BaseSettings):
     listen_enabled: bool = Field(default=True, description="Off only to test the sweep alone.")
     pool_min_size: int = Field(default=2, ge=1)
     pool_max_size: int = Field(default=10, ge=1)
+    event_streams_per_user: int = Field(
+        default=20, ge=1, description="Event streams one user may have open on an instance."
+    )
+    event_streams_max: int = Field(
+        default=5000, ge=1, description="Event streams open on an instance, all users."
+    )
+    event_stream_max_s: float = Field(
+        default=1800.0, gt=0, description="A stream ends after this; the client resumes."
+    )
     db_acquire_timeout_s: float = Field(
         default=2.0, gt=0, description="How long a query waits for a pooled connection; then 503."
     )

@@ -205,13 +205,11 @@ async def test_a_snapshot_is_the_first_page_and_says_where_the_rest_is(harness: 
 
 async def test_streams_are_capped_per_user_and_per_instance(harness: Harness) -> None:
     h = harness
-    inst = await h.start_instance()
+    inst = await h.start_instance(event_streams_per_user=3, event_streams_max=5)
     hub = inst.services.events
     # A stream whose client left is noticed at its next heartbeat (aiohttp does not cancel the
     # handler): short here, so that the closed ones leave the hub within the test.
-    hub.settings = dataclasses.replace(
-        hub.settings, max_streams_per_user=3, max_streams=5, heartbeat_s=0.2
-    )
+    hub.settings = dataclasses.replace(hub.settings, heartbeat_s=0.2)
     async with contextlib.AsyncExitStack() as stack:
         for _ in range(3):
             response = await stack.enter_async_context(_open_stream(h, inst, "u"))
