@@ -183,10 +183,10 @@ class Settings(BaseSettings):
         default=1800.0, gt=0, description="A stream ends after this; the client resumes."
     )
     db_acquire_timeout_s: float = Field(
-        default=2.0, gt=0, description="How long a query waits for a pooled connection; then 503."
+        default=5.0, gt=0, description="How long a query waits for a pooled connection; then 503."
     )
     db_statement_timeout_s: float = Field(
-        default=5.0,
+        default=10.0,
         gt=0,
         description="How long a statement may take, lock waits included; then it is cancelled "
         "and the request answers 503.",

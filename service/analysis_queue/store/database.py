@@ -61,8 +61,8 @@ class Timeouts:
     readiness probe, on its own connection (``probe_s``). Past any of them the caller gets
     ``DatabaseUnavailable``: a 503 with Retry-After, never a request that hangs."""
 
-    acquire_s: float = 2.0
-    statement_s: float = 5.0
+    acquire_s: float = 5.0
+    statement_s: float = 10.0
     probe_s: float = 1.0
 
 
