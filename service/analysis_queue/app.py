@@ -41,7 +41,7 @@ from analysis_queue.loops.hub import EventHub, HubSettings
 from analysis_queue.loops.listener import Listener, ListenerSettings
 from analysis_queue.loops.sweep import Sweeper, SweepSettings
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import JobNotice
+from analysis_queue.models import ChangeNotice
 from analysis_queue.queue.admit import Admitter
 from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.queue.finish import Finisher
@@ -313,9 +313,17 @@ def _make_services(
     listener = None
     if settings.listen_enabled:
 
-        def heard(notice: JobNotice, own: bool) -> None:  # a job changed, through any instance
-            hub.notify(notice.user_id)
-            promoter.heard(notice, own=own)
+        def heard(notice: ChangeNotice, own: bool) -> None:  # jobs changed, through any instance
+            if notice.overflow:  # too many users to name: as after a reconnect
+                hub.wake_all()
+                if not own:
+                    sweeper.kick()
+                return
+            for user_id in notice.users:
+                hub.notify(user_id)
+            if not own:  # this instance followed up its own decisions where it made them
+                for user_id in notice.wakes():
+                    promoter.wake(user_id)
 
         def connected() -> None:  # notifications were lost while the connection was down
             sweeper.kick()

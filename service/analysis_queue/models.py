@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Any
 from uuid import UUID
 
+import pydantic
 from pydantic import BaseModel, ConfigDict
 
 
@@ -49,30 +50,26 @@ class EventKind(StrEnum):
     CHANGED = "changed"
 
 
-class JobNotice(BaseModel):
-    """The payload of a NOTIFY on ``aq_jobs_v1`` (triggers/job_notify.sql): a wake-up hint that
-    a job of ``user_id`` changed, never the source of truth. Keys it does not know are ignored:
-    the payload only ever gains keys, so listeners of every version read it."""
+class ChangeNotice(BaseModel):
+    """The payload of a NOTIFY on ``aq_jobs_v2`` (triggers/job_notify.sql), one per committed
+    transaction that changed jobs: a wake-up hint naming the users whose jobs changed, never
+    the source of truth. ``users`` maps each to whether a change of theirs may leave work for a
+    promotion or a release (a job left pending/running: its slots freed, and the writer may not
+    have filled them; or a job became pending: someone must release it). An admit into the
+    queue, a start or a change of wait cannot: the transaction decided all it allows.
+    ``overflow``: too many users to name; re-read everything. Unknown keys are ignored: the
+    payload only ever gains keys, so listeners of every version read it."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
 
-    id: UUID
-    user_id: str
-    old: JobStatus | None  # None on insert
-    new: JobStatus
-    deleted: bool = False
-    delta: bool = False
-    at: float | None = None  # epoch seconds when the change was written
+    v: int = 2
+    at: float | None = None  # epoch seconds of the transaction's first change
+    users: dict[str, int] = pydantic.Field(default_factory=dict, alias="u")
+    overflow: bool = False
 
-    @property
-    def may_leave_work(self) -> bool:
-        """Whether the change can leave something for a promotion or a release to do: a job
-        left pending/running (its slots freed; the writer may not have filled them), or a job
-        became pending (someone must release it). An admit, a start or a change of wait
-        cannot: the transaction that made it decided everything it allows."""
-        frees = self.old in ACTIVE_STATUSES and (self.new not in ACTIVE_STATUSES or self.deleted)
-        starts = self.new == JobStatus.PENDING and self.old != JobStatus.PENDING
-        return frees or starts
+    def wakes(self) -> list[str]:
+        """The users a change of whose may have left work, in a stable order."""
+        return sorted(user for user, wake in self.users.items() if wake)
 
 
 # A pending job shows the error of its last release attempt (release_retrying).

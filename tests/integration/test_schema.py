@@ -26,7 +26,7 @@ from support import check_invariants, wait_for, wait_until_blocked
 REPO = Path(__file__).resolve().parents[2]
 THESIS = {"title": "On locks", "document_url": "https://uni.example/locks.pdf"}
 SOURCES = ["10.1000/a.1", "10.1000/a.2"]
-NOTIFY_KEYS = {"id", "user_id", "old", "new", "deleted", "delta", "at"}
+NOTIFY_KEYS = {"v", "at", "u"}
 WAIT_S = 10.0
 
 
@@ -335,15 +335,18 @@ class Notifications:
             out.append(payload)
 
 
-def _decoded(payloads: list[str]) -> list[dict[str, Any]]:
-    out = [json.loads(p) for p in payloads]
-    for p in out:
-        assert set(p) == NOTIFY_KEYS, p
-        assert isinstance(p.pop("at"), float)  # when it was written; compared apart
+def _decoded(payloads: list[str]) -> list[dict[str, int]]:
+    """Each notification's users and their wake flags (the time it carries checked apart)."""
+    out = []
+    for raw in payloads:
+        p = json.loads(raw)
+        assert set(p) == NOTIFY_KEYS and p["v"] == 2, p
+        assert isinstance(p["at"], float)
+        out.append(p["u"])
     return out
 
 
-async def test_notify_on_insert_status_and_delete_only(
+async def test_one_notification_per_transaction_naming_users_and_wakes(
     db: Database, conn: asyncpg.Connection[Any], database_url: str
 ) -> None:
     notes = Notifications()
@@ -352,7 +355,7 @@ async def test_notify_on_insert_status_and_delete_only(
         await listen.add_listener(JOBS_CHANNEL, notes)
         assert await notes.until_barrier(conn) == []
 
-        job = await _admit(db, "alice")
+        job = await _admit(db, "alice")  # straight into the free slot: someone releases it
         await conn.execute(
             "UPDATE analysis_jobs SET release_attempts = release_attempts + 1 WHERE id = $1", job.id
         )
@@ -360,74 +363,146 @@ async def test_notify_on_insert_status_and_delete_only(
         assert job.id in await db.claim([job.id], "inst-1", 60)
         await db.schedule_release_retry(job.id, "inst-1", datetime.now(UTC), "Core is away")
         await db.mark_polled([job.id])
-        inserted = _decoded(await notes.until_barrier(conn))
-        assert inserted == [
-            {
-                "id": str(job.id),
-                "user_id": "alice",
-                "old": None,
-                "new": "pending",
-                "deleted": False,
-                "delta": False,
-            }
-        ]
-        assert (
-            await conn.fetchval("SELECT release_attempts FROM analysis_jobs WHERE id = $1", job.id)
-            == 2
-        )
+        queued = await _admit(db, "alice")  # behind it: nothing for a promotion to do
+        assert _decoded(await notes.until_barrier(conn)) == [{"alice": 1}, {"alice": 0}]
 
         await conn.execute(
             """UPDATE analysis_jobs SET status = 'running', started_at = clock_timestamp()
                 WHERE id = $1""",
             job.id,
         )
+        # The finish frees the slot and promotes the next job in the same transaction.
         done = await db.finish(
             job_id=job.id, status="succeeded", from_statuses=("running",), ran=True
         )
-        assert done is not None and done.changed
+        assert done is not None and done.changed and [j.id for j in done.promoted] == [queued.id]
         deleted = await db.finish(job_id=job.id, status=None, delete=True)
         assert deleted is not None and deleted.changed
-        changes = _decoded(await notes.until_barrier(conn))
-        assert [(p["old"], p["new"], p["deleted"]) for p in changes] == [
-            ("pending", "running", False),
-            ("running", "succeeded", False),
-            ("succeeded", "succeeded", True),
-        ]
-        assert {(p["id"], p["user_id"], p["delta"]) for p in changes} == {
-            (str(job.id), "alice", False)
-        }
-
-        delta = await _admit(db, "alice", delta_of=job.id)
         assert _decoded(await notes.until_barrier(conn)) == [
-            {
-                "id": str(delta.id),
-                "user_id": "alice",
-                "old": None,
-                "new": "pending",
-                "deleted": False,
-                "delta": True,
-            }
+            {"alice": 0},  # started
+            {"alice": 1},  # finished and promoted: two changes, one notification
+            {"alice": 0},  # a delete of a finished job
         ]
+
+        # Many users' changes in one transaction: one notification for all of them.
+        async with conn.transaction():
+            for user in ("bob", "carol", "dave"):
+                await _insert_queued(conn, user)
+            await conn.execute(
+                "UPDATE analysis_jobs SET status = 'cancelled', waiting_for = NULL,"
+                " finished_at = clock_timestamp() WHERE user_id = 'bob'"
+            )
+        assert _decoded(await notes.until_barrier(conn)) == [{"bob": 0, "carol": 0, "dave": 0}]
     finally:
         await listen.close()
 
 
-async def test_notify_payload_fits_for_the_longest_user_id(
-    db: Database, conn: asyncpg.Connection[Any], database_url: str
+@pytest.mark.parametrize(
+    ("old", "new", "delete", "wakes"),
+    [
+        (None, "queued", False, 0),  # an admit into the queue decided all it allows
+        (None, "pending", False, 1),  # admitted into a free slot: someone releases it
+        ("queued", "pending", False, 1),  # promoted
+        ("pending", "running", False, 0),  # started
+        ("running", "succeeded", False, 1),  # a slot freed
+        ("pending", "failed", False, 1),
+        ("queued", "cancelled", True, 0),  # held no slot
+        ("succeeded", "succeeded", True, 0),  # a delete of a finished job
+        ("running", "cancelled", True, 1),  # deleted while running: its slot frees
+    ],
+)
+async def test_which_changes_may_leave_work_for_a_promotion_or_a_release(
+    conn: asyncpg.Connection[Any],
+    database_url: str,
+    old: str | None,
+    new: str,
+    delete: bool,
+    wakes: int,
 ) -> None:
-    user = "ü" * 200  # the longest user id, two bytes a character in UTF-8
+    job_id = uuid.uuid4()
+    insert = """INSERT INTO analysis_jobs (id, user_id, run_id, status, thesis, sources, cost,
+                                           waiting_for, user_slot, finished_at)
+                VALUES ($1, 'u', $2, $3, '{}', '[]', 0,
+                        CASE WHEN $3 = 'queued' THEN 'your_previous_analysis' END,
+                        CASE WHEN $3 IN ('pending', 'running') THEN 1 END,
+                        CASE WHEN $3 IN ('succeeded', 'failed', 'cancelled')
+                             THEN clock_timestamp() END)"""
+    if old is not None:
+        await conn.execute(insert, job_id, uuid.uuid4(), old)
     notes = Notifications()
     listen = await asyncpg.connect(database_url)
     try:
         await listen.add_listener(JOBS_CHANNEL, notes)
-        job = await _admit(db, user)
+        if old is None:
+            await conn.execute(insert, job_id, uuid.uuid4(), new)
+        else:
+            await conn.execute(
+                """UPDATE analysis_jobs
+                      SET status = $2,
+                          waiting_for = CASE WHEN $2 = 'queued' THEN waiting_for END,
+                          user_slot = CASE WHEN $2 IN ('pending', 'running') THEN 1 END,
+                          finished_at = CASE WHEN $2 IN ('succeeded', 'failed', 'cancelled')
+                                             THEN coalesce(finished_at, clock_timestamp()) END,
+                          deleted_at = CASE WHEN $3 THEN clock_timestamp() END
+                    WHERE id = $1""",
+                job_id,
+                new,
+                delete,
+            )
+        assert _decoded(await notes.until_barrier(conn)) == [{"u": wakes}]
+    finally:
+        await listen.close()
+
+
+async def test_a_rolled_back_change_notifies_nothing(
+    conn: asyncpg.Connection[Any], database_url: str
+) -> None:
+    notes = Notifications()
+    listen = await asyncpg.connect(database_url)
+    try:
+        await listen.add_listener(JOBS_CHANNEL, notes)
+        tx = conn.transaction()
+        await tx.start()
+        await _insert_queued(conn, "erin")
+        await tx.rollback()
+        assert await notes.until_barrier(conn) == []
+    finally:
+        await listen.close()
+
+
+async def test_a_notification_stays_under_its_limit_whatever_the_transaction_changed(
+    conn: asyncpg.Connection[Any], database_url: str
+) -> None:
+    notes = Notifications()
+    listen = await asyncpg.connect(database_url)
+    longest = ["ü" * 199 + str(n % 10) for n in range(10)]  # 200 characters, 2 bytes each
+    try:
+        await listen.add_listener(JOBS_CHANNEL, notes)
+        async with conn.transaction():  # a few of the longest user ids still fit
+            for user in longest[:5]:
+                await _insert_queued(conn, user)
+        async with conn.transaction():  # a thousand users do not: a hint to re-read all
+            for n in range(1000):
+                await _insert_queued(conn, f"user-{n:04d}")
         payloads = await notes.until_barrier(conn)
     finally:
         await listen.close()
-    assert len(payloads) == 1
-    assert len(payloads[0].encode()) < 8000
-    assert _decoded(payloads)[0]["user_id"] == user
-    assert _decoded(payloads)[0]["id"] == str(job.id)
+    assert len(payloads) == 2
+    assert all(len(p.encode()) < 7600 for p in payloads)
+    assert sorted(json.loads(payloads[0])["u"]) == sorted(longest[:5])
+    overflow = json.loads(payloads[1])
+    assert overflow["overflow"] is True and "u" not in overflow
+
+
+async def _insert_queued(conn: asyncpg.Connection[Any], user: str) -> None:
+    await conn.execute(
+        """INSERT INTO analysis_jobs (id, user_id, run_id, status, thesis, sources, cost,
+                                      waiting_for)
+           VALUES ($1, $2, $3, 'queued', '{}', '[]', 0, 'your_previous_analysis')""",
+        uuid.uuid4(),
+        user,
+        uuid.uuid4(),
+    )
 
 
 # -- packaging -----------------------------------------------------------------------------

@@ -14,9 +14,9 @@ import pytest
 from analysis_queue.models import (
     ACTIVE_STATUSES,
     TERMINAL_STATUSES,
+    ChangeNotice,
     EventKind,
     Job,
-    JobNotice,
     JobStatus,
     WaitReason,
 )
@@ -120,47 +120,13 @@ def test_statuses_kinds_and_waits_are_what_the_database_allows() -> None:
 
 
 def test_a_notification_payload_reads_as_a_notice_and_extra_keys_are_ignored() -> None:
-    job_id = uuid.uuid4()
     payload = json.dumps(
-        {
-            "id": str(job_id),
-            "user_id": "u",
-            "old": None,
-            "new": "queued",
-            "deleted": False,
-            "delta": False,
-            "at": 1.5,
-            "a_key_of_a_later_release": 1,
-        }
+        {"v": 2, "at": 1.5, "u": {"b": 0, "a": 1, "c": 1}, "a_key_of_a_later_release": 1}
     )
-    notice = JobNotice.model_validate_json(payload)
-    assert (notice.id, notice.user_id, notice.old, notice.new, notice.at) == (
-        job_id,
-        "u",
-        None,
-        JobStatus.QUEUED,
-        1.5,
-    )
+    notice = ChangeNotice.model_validate_json(payload)
+    assert (notice.at, notice.users, notice.overflow) == (1.5, {"b": 0, "a": 1, "c": 1}, False)
+    assert notice.wakes() == ["a", "c"], "sorted, and only the users whose change may leave work"
+    many = ChangeNotice.model_validate_json('{"v": 2, "at": 2.0, "overflow": true}')
+    assert many.overflow and many.users == {} and many.wakes() == []
     with pytest.raises(pydantic.ValidationError):
-        JobNotice.model_validate_json(json.dumps({"id": str(job_id), "new": "exploded"}))
-
-
-@pytest.mark.parametrize(
-    ("old", "new", "deleted", "leaves_work"),
-    [
-        (None, "queued", False, False),  # an admit decided its own slot
-        (None, "pending", False, True),  # admitted into a free slot: someone releases it
-        ("queued", "pending", False, True),  # promoted
-        ("pending", "running", False, False),  # started
-        ("queued", "queued", False, False),  # a change of wait
-        ("running", "succeeded", False, True),  # a slot freed
-        ("pending", "failed", False, True),
-        ("queued", "cancelled", True, False),  # held no slot
-        ("succeeded", "succeeded", True, False),  # a delete of a finished job
-    ],
-)
-def test_which_changes_may_leave_work_for_a_promotion_or_a_release(
-    old: str | None, new: str, deleted: bool, leaves_work: bool
-) -> None:
-    notice = JobNotice(id=uuid.uuid4(), user_id="u", old=old, new=new, deleted=deleted)
-    assert notice.may_leave_work is leaves_work
+        ChangeNotice.model_validate_json('{"v": 2, "u": {"a": "yes"}}')

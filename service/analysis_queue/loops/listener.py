@@ -3,11 +3,12 @@
 The connection goes to the direct database URL (``AQ_DIRECT_DATABASE_URL``), never through a
 transaction pooler: LISTEN belongs to a session.
 
-Every committed job change notifies (triggers/job_notify.sql), whichever instance or writer made
-it. The listener turns each notification into a wake-up for the job's user and nothing more:
-``on_notice(notice, own)``, a typed ``JobNotice`` and whether this instance committed it, which
-the application hands to the event hub (read the user's new events) and the promoter (fill what
-the change may have left to fill, read from the database). NOTIFY is a hint, never the source
+Every committed transaction that changed jobs notifies once (triggers/job_notify.sql), whichever
+instance or writer made it. The listener turns each notification into wake-ups for the users it
+names and nothing more: ``on_notice(notice, own)``, a typed ``ChangeNotice`` and whether this
+instance committed it, which the application hands to the event hub (read those users' new
+events) and the promoter (fill what their changes may have left to fill, read from the
+database). NOTIFY is a hint, never the source
 of truth. Notifications sent while the connection is down are lost for good, so each
 (re)connect LISTENs first and then asks for a catch-up (``on_connected``: the sweep and the hub
 re-read). A ping every few seconds notices a half-open connection.
@@ -27,7 +28,7 @@ import pydantic
 
 from analysis_queue import errors
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import JobNotice
+from analysis_queue.models import ChangeNotice
 from analysis_queue.store.database import Database
 from analysis_queue.store.listen import ListenConnection
 
@@ -50,7 +51,7 @@ class Listener:
         settings: ListenerSettings,
         metrics: Metrics,
         *,
-        on_notice: Callable[[JobNotice, bool], None],
+        on_notice: Callable[[ChangeNotice, bool], None],
         on_connected: Callable[[], None] | None = None,
     ) -> None:
         self.db = db
@@ -79,7 +80,7 @@ class Listener:
         self.notifications += 1
         self.metrics.notifications.inc()
         try:
-            notice = JobNotice.model_validate_json(payload)
+            notice = ChangeNotice.model_validate_json(payload)
         except pydantic.ValidationError:
             log.warning(
                 "unreadable notification", extra={"action": "notify", "payload": payload[:200]}

@@ -3,7 +3,7 @@
 The decisions are the database's (sql/functions/promote.sql); this module decides *when* to ask,
 and folds requests that arrive while one is in flight into one more call:
 
-- **A wake-up** (``heard(notice)``: a notification that a job of the user left pending/running
+- **A wake-up** (``wake(user)``: a notification says a job of the user left pending/running
   or became pending, committed by another instance or writer: this instance's own decisions
   were followed up where they were made). Wake-ups that arrive together go out
   as one call (``aq_promote_woken_v1``) that reads without locks and only fills what the change
@@ -29,7 +29,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
 from analysis_queue import errors
-from analysis_queue.models import Job, JobNotice, Woken
+from analysis_queue.models import Job, Woken
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
 
 log = logging.getLogger(__name__)
@@ -72,13 +72,6 @@ class Promoter:
         return self.ceiling is not None
 
     # -- requests (never block) -------------------------------------------------------------
-
-    def heard(self, notice: JobNotice, *, own: bool = False) -> None:
-        """A notification: a wake-up for its user if the change may have left work (a slot to
-        fill, a job to release); the others (admits, starts, waits) decided all they allow. A
-        change this instance committed (``own``) was followed up here already."""
-        if notice.may_leave_work and not own:
-            self.wake(notice.user_id)
 
     def wake(self, user_id: str) -> None:
         """Fill what a change of ``user_id``'s jobs left free; release their stranded jobs."""

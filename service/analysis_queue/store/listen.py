@@ -11,7 +11,7 @@ import asyncpg
 from analysis_queue import errors
 from analysis_queue.store.driver import through_proxy, wrap_errors
 
-JOBS_CHANNEL = "aq_jobs_v1"
+JOBS_CHANNEL = "aq_jobs_v2"
 
 # (payload, the server process of the transaction that sent it)
 NotifyCallback = Callable[[str, int], None]

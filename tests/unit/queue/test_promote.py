@@ -8,12 +8,11 @@ follow-up is the real one, bound to a recording dispatcher.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Sequence
 from uuid import UUID
 
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import Job, JobNotice, JobStatus, Woken
+from analysis_queue.models import Job, JobStatus, Woken
 from analysis_queue.queue.followup import FollowUp, Trigger
 from analysis_queue.queue.promote import PASS_BATCH, WAKE_CONCURRENCY, Promoter
 from support import make_job
@@ -166,25 +165,6 @@ async def test_a_limit_change_counts_its_promotions_and_asks_for_a_pass_with_the
         assert db.calls == calls
         assert len(dispatcher.submitted) == 2
         assert _promotions(metrics, Trigger.LIMIT) == 2
-
-
-async def test_only_changes_that_may_leave_work_wake_the_promoter() -> None:
-    db = RecordingDatabase(ceiling=None)
-    promoter, _, _ = _promoter(db)
-    for old, new in ((None, "queued"), ("pending", "running"), ("queued", "queued")):
-        promoter.heard(JobNotice(id=uuid.uuid4(), user_id="quiet", old=old, new=new))
-    promoter.heard(JobNotice(id=uuid.uuid4(), user_id="freed", old="running", new="succeeded"))
-    await _settle(promoter)
-    assert db.calls == [("woken", ["freed"])]
-
-
-async def test_a_change_this_instance_committed_does_not_wake_it_again() -> None:
-    db = RecordingDatabase(ceiling=None)
-    promoter, _, _ = _promoter(db)
-    freed = JobNotice(id=uuid.uuid4(), user_id="u", old="running", new="succeeded")
-    promoter.heard(freed, own=True)  # followed up where it was decided
-    await _settle(promoter)
-    assert db.calls == []
 
 
 async def test_wake_up_calls_in_flight_are_bounded() -> None:
