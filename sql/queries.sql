@@ -10,6 +10,18 @@
 SELECT (r.job).*, r.queue_position, r.promoted
   FROM aq_admit_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) r;
 
+-- admit_many --
+-- The admits of a group commit (aq_admit_many_v1): $1 [{"item", aq_admit_v2's arguments}].
+-- -> per item: its outcome, and when admitted the job's columns, its position and what it
+-- promoted.
+SELECT r.item, r.outcome, (r.job).*, r.queue_position, r.promoted
+  FROM aq_admit_many_v1($1) r;
+
+-- reserve_many --
+-- The reservations of a group commit (aq_reserve_many_v1): $1 [{"item", aq_reserve_v1's
+-- arguments}]. -> per item: outcome, job_id, balance.
+SELECT * FROM aq_reserve_many_v1($1);
+
 -- reserve --
 -- Reserve a run id and check credit: $1 user, $2 run id, $3 job id, $4 cost, $5 thesis,
 -- $6 sources, $7 idempotency key, $8 request hash. -> outcome, job_id, balance
@@ -33,6 +45,12 @@ SELECT w.ceiling, w.promoted, (w.job).*, NULL::bigint AS queue_position
 -- $7 error code, $8 error detail, $9 verdicts, $10 Core judged it.
 -- -> job, old_status, changed, refunded, promoted (an array of jobs)
 SELECT * FROM aq_finish_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
+
+-- finish_many --
+-- Core's completions of a group commit (aq_finish_many_v1): $1 [{"item", "core_run_id",
+-- "status", "from", "error_code", "error_detail", "verdicts", "ran"}].
+-- -> per item: its outcome and aq_finish_v2's columns.
+SELECT * FROM aq_finish_many_v1($1);
 
 -- ceiling_set --
 -- Set the global ceiling (NULL: off), waiting for decisions in flight: $1 ceiling.

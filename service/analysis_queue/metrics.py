@@ -6,6 +6,8 @@ database at scrape time with queries that only touch the partial indexes of open
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import (
     GC_COLLECTOR,
@@ -55,14 +57,21 @@ class Metrics:
         )
         self.group_commit_statements = Counter(
             "aq_group_commit_statements",
-            "Statements written by a group commit (claim, running), each for one or more jobs",
+            "Statements written by a group commit (reserve, admit, finish, claim, running), "
+            "each for one or more jobs",
             ["what"],
             registry=r,
         )
         self.group_commit_jobs = Counter(
             "aq_group_commit_jobs", "Jobs those statements were written for", ["what"], registry=r
         )
-        self.notifications = Counter("aq_notifications", "Notifications received", registry=r)
+        self.notifications = Counter(
+            "aq_notifications",
+            "Notifications received: one per committed transaction that changed jobs, through "
+            'any instance (so, over aq_admits_total{outcome="admitted"}, the notifying '
+            "commits per admitted job)",
+            registry=r,
+        )
         self.notification_lag = Histogram(
             "aq_notification_lag_seconds",
             "From the job change being written to its notification arriving here",
@@ -104,6 +113,17 @@ class Metrics:
         self.event_subscribers = Gauge(
             "aq_event_subscribers", "Open event-stream subscribers", registry=r
         )
+
+    def batch_counter(self, what: str) -> Callable[[int], None]:
+        """What a group commit calls with each batch's size: one statement, that many jobs."""
+        statements = self.group_commit_statements.labels(what)
+        jobs = self.group_commit_jobs.labels(what)
+
+        def count(n: int) -> None:
+            statements.inc()
+            jobs.inc(n)
+
+        return count
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

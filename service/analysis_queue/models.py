@@ -7,11 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 from uuid import UUID
 
 import pydantic
 from pydantic import BaseModel, ConfigDict
+
+T = TypeVar("T")
 
 
 class JobStatus(StrEnum):
@@ -303,6 +305,70 @@ class Finish:
     changed: bool
     refunded: bool  # this call gave the job's cost back (sql/functions/credits.sql)
     promoted: tuple[Job, ...]  # the jobs it moved from queued to pending, in the slot it freed
+
+
+# -- the requests group commits carry (eq=False: hashed by identity, one per caller) ----------
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ReserveRequest:
+    """One click's reservation (``aq_reserve_v1``'s arguments)."""
+
+    user_id: str
+    run_id: UUID
+    job_id: UUID
+    cost: int
+    thesis: dict[str, Any]
+    sources: list[str]
+    idempotency_key: str | None
+    request_hash: str | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AdmitRequest:
+    """One click's admit once Core holds its run (``aq_admit_v2``'s arguments)."""
+
+    job_id: UUID
+    user_id: str
+    run_id: UUID
+    core_run_id: str
+    thesis: dict[str, Any]
+    sources: list[str]
+    cost: int
+    delta_of: UUID | None
+    idempotency_key: str | None
+    request_hash: str | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompletionRequest:
+    """Core's report that a run ended, to finish its job (``aq_finish_v2`` by Core run id)."""
+
+    core_run_id: str
+    status: JobStatus
+    from_statuses: tuple[JobStatus, ...]
+    error_code: str | None
+    error_detail: str | None
+    verdicts: list[dict[str, Any]] | None
+    ran: bool
+
+
+class BatchOutcome(StrEnum):
+    """What a group commit did with one request (sql/functions/admit.sql, finish.sql)."""
+
+    DONE = "done"  # decided in the batch: see the result
+    BUSY = "busy"  # its user's lock was held elsewhere: decide it alone
+    INSUFFICIENT_CREDITS = "insufficient_credits"
+    RESERVATION_GONE = "reservation_gone"  # the sweep reclaimed the click's reservation
+    UNKNOWN = "unknown"  # no job has this Core run
+
+
+@dataclass(frozen=True, slots=True)
+class Batched(Generic[T]):
+    """One request's answer from a group commit: its outcome, and the result when DONE."""
+
+    outcome: BatchOutcome
+    result: T | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,3 +179,108 @@ BEGIN
     END IF;
 END
 $$;
+
+-- Group commits (queue/admit.py): the reservations, and the admits, of the clicks that arrive
+-- while the previous batch is being written, in one transaction each. Every click is decided
+-- for itself, in arrival order, by the single-click function above; a click whose user's lock
+-- another transaction holds is not waited for: it comes back 'busy' (and so does every later
+-- click of that user in the batch, so a user's clicks never overtake each other) and its
+-- caller decides it alone. A batch thus never waits for a user's lock, cannot deadlock, and
+-- one user's lock holder never delays another user's click (docs/locking.md).
+--
+-- p_items: [{"item": n, ...the single-click function's arguments by name}, ...].
+
+-- Outcomes: those of aq_reserve_v1, or 'busy'.
+CREATE OR REPLACE FUNCTION aq_reserve_many_v1(p_items jsonb)
+RETURNS TABLE (item integer, outcome text, job_id uuid, balance bigint)
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+DECLARE
+    r record;
+    v_busy text[] := '{}';
+BEGIN
+    FOR r IN
+        SELECT * FROM jsonb_to_recordset(p_items) AS x(
+            item integer, user_id text, run_id uuid, job_id uuid, cost integer, thesis jsonb,
+            sources jsonb, idempotency_key text, request_hash text)
+        ORDER BY x.item
+    LOOP
+        item := r.item;
+        -- Only a keyed click takes its user's lock (aq_reserve_v1).
+        IF r.idempotency_key IS NOT NULL
+           AND (r.user_id = ANY (v_busy) OR NOT aq_try_lock_user_v1(r.user_id)) THEN
+            v_busy := v_busy || r.user_id;
+            outcome := 'busy';
+            job_id := NULL;
+            balance := NULL;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
+        SELECT v.outcome, v.job_id, v.balance INTO outcome, job_id, balance
+          FROM aq_reserve_v1(r.user_id, r.run_id, r.job_id, r.cost, r.thesis, r.sources,
+                             r.idempotency_key, r.request_hash) v;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+
+-- The run's reservation, row-locked (the sweep's reclaim skips locked rows), or false when the
+-- sweep reclaimed it: checked before the admit so that its refusal rolls back nothing.
+CREATE OR REPLACE FUNCTION aq_reservation_held_v1(p_run_id uuid) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM 1 FROM core_run_reservations c WHERE c.run_id = p_run_id FOR UPDATE;
+    RETURN FOUND;
+END
+$$;
+
+-- Outcomes: 'admitted' (job, queue_position, promoted as aq_admit_v2 returns them),
+-- 'insufficient_credits', 'reservation_gone' (the refusals aq_admit_v2 raises, decided here
+-- before anything is written, so they roll back nothing of the batch), or 'busy'.
+CREATE OR REPLACE FUNCTION aq_admit_many_v1(p_items jsonb)
+RETURNS TABLE (item integer, outcome text, job analysis_jobs, queue_position bigint,
+               promoted analysis_jobs[])
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+DECLARE
+    r record;
+    v_admitted record;
+    v_busy text[] := '{}';
+BEGIN
+    -- Held shared to commit, as every admit does with the ceiling off (and so that a change of
+    -- the ceiling waits for this batch), and taken before any user's lock; the single-click
+    -- calls below then find it held.
+    PERFORM aq_lock_global_shared_v1();
+    FOR r IN
+        SELECT * FROM jsonb_to_recordset(p_items) AS x(
+            item integer, job_id uuid, user_id text, run_id uuid, core_run_id text,
+            thesis jsonb, sources jsonb, cost integer, delta_of uuid, idempotency_key text,
+            request_hash text)
+        ORDER BY x.item
+    LOOP
+        item := r.item;
+        job := NULL;
+        queue_position := NULL;
+        promoted := '{}';
+        IF r.user_id = ANY (v_busy) OR NOT aq_try_lock_user_v1(r.user_id) THEN
+            v_busy := v_busy || r.user_id;
+            outcome := 'busy';
+        ELSIF NOT aq_reservation_held_v1(r.run_id) THEN
+            outcome := 'reservation_gone';
+        ELSIF r.cost > 0 AND coalesce(
+                (SELECT a.balance FROM credit_accounts a WHERE a.user_id = r.user_id), 0)
+                < r.cost THEN
+            outcome := 'insufficient_credits';
+        ELSE
+            -- (A composite cannot be one of several INTO targets: through a record.)
+            SELECT a.* INTO v_admitted
+              FROM aq_admit_v2(r.job_id, r.user_id, r.run_id, r.core_run_id, r.thesis,
+                               r.sources, r.cost, r.delta_of, r.idempotency_key,
+                               r.request_hash) a;
+            job := v_admitted.job;
+            queue_position := v_admitted.queue_position;
+            promoted := v_admitted.promoted;
+            outcome := 'admitted';
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;

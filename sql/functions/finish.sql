@@ -114,3 +114,56 @@ BEGIN
     END IF;
 END
 $$;
+
+-- Group commit of completions (queue/finish.py): Core's reports that arrive while the previous
+-- batch is being written, finished in one transaction, each by aq_finish_v2 above, in order,
+-- each filling the slot its job frees. As with admits (admit.sql), a report whose user's lock
+-- another transaction holds comes back 'busy' (and so does every later one of that user in the
+-- batch), and its caller finishes it alone: the batch never waits for a user's lock.
+-- p_items: [{"item": n, "core_run_id", "status", "from" (statuses), "error_code",
+-- "error_detail", "verdicts", "ran"}, ...].
+-- Outcomes: 'finished' (the columns of aq_finish_v2), 'unknown' (no such run), 'busy'.
+CREATE OR REPLACE FUNCTION aq_finish_many_v1(p_items jsonb)
+RETURNS TABLE (item integer, outcome text, job analysis_jobs, old_status text, changed boolean,
+               refunded boolean, promoted analysis_jobs[])
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+DECLARE
+    r record;
+    v_finished record;
+    v_user text;
+    v_busy text[] := '{}';
+BEGIN
+    PERFORM aq_lock_global_shared_v1();  -- as every finish with the ceiling off: before users
+    FOR r IN
+        SELECT * FROM jsonb_to_recordset(p_items) AS x(
+            item integer, core_run_id text, status text, "from" text[], error_code text,
+            error_detail text, verdicts jsonb, ran boolean)
+        ORDER BY x.item
+    LOOP
+        item := r.item;
+        job := NULL;
+        old_status := NULL;
+        changed := false;
+        refunded := false;
+        promoted := '{}';
+        SELECT j.user_id INTO v_user FROM analysis_jobs j WHERE j.core_run_id = r.core_run_id;
+        IF NOT FOUND THEN
+            outcome := 'unknown';
+        ELSIF v_user = ANY (v_busy) OR NOT aq_try_lock_user_v1(v_user) THEN
+            v_busy := v_busy || v_user;
+            outcome := 'busy';
+        ELSE
+            SELECT f.* INTO v_finished
+              FROM aq_finish_v2(NULL, r.core_run_id, NULL, r.status, r."from", false,
+                                r.error_code, r.error_detail, r.verdicts, r.ran) f;
+            job := v_finished.job;
+            old_status := v_finished.old_status;
+            changed := v_finished.changed;
+            refunded := v_finished.refunded;
+            promoted := v_finished.promoted;
+            outcome := CASE WHEN job.id IS NULL THEN 'unknown' ELSE 'finished' END;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;

@@ -12,10 +12,25 @@
 
 -- A user's lock: serializes every decision that fills or frees that user's slots. Old and new
 -- versions overlapping in a rolling deploy must agree on the key, so it is spelled only here.
+CREATE OR REPLACE FUNCTION aq_user_lock_key_v1(p_user_id text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT hashtextextended('analysis_queue:' || p_user_id, 0)
+$$;
+
 CREATE OR REPLACE FUNCTION aq_lock_user_v1(p_user_id text) RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
-    PERFORM pg_advisory_xact_lock(hashtextextended('analysis_queue:' || p_user_id, 0));
+    PERFORM pg_advisory_xact_lock(aq_user_lock_key_v1(p_user_id));
+END
+$$;
+
+-- A user's lock if it is free now, else false at once: batches of decisions for many users
+-- (admission and completion group commits) never wait for a user, so they cannot deadlock and
+-- never make one user's neighbours wait for that user's lock holder.
+CREATE OR REPLACE FUNCTION aq_try_lock_user_v1(p_user_id text) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN pg_try_advisory_xact_lock(aq_user_lock_key_v1(p_user_id));
 END
 $$;
 

@@ -80,6 +80,72 @@ async def reserve_with_key(conn: asyncpg.Connection[Any], rng: random.Random) ->
     )
 
 
+async def admit_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
+    """A group commit of clicks of both users (queue/admit.py): their reservations in one
+    transaction, then their admits in another, in arrival order."""
+    clicks = [
+        {"item": n, "user_id": rng.choice(USERS), "run_id": uuid.uuid4(), "job_id": uuid.uuid4()}
+        for n in range(rng.randint(2, 5))
+    ]
+    reservations = [
+        {
+            **c,
+            "cost": 1,
+            "thesis": THESIS,
+            "sources": [],
+            "idempotency_key": None,
+            "request_hash": None,
+        }
+        for c in clicks
+    ]
+    reserved = {
+        r["item"]
+        for r in await conn.fetch(Q["reserve_many"], reservations)
+        if r["outcome"] == "reserved"
+    }
+    admits = [
+        {
+            **c,
+            "core_run_id": f"core-{c['job_id']}",
+            "thesis": THESIS,
+            "sources": [],
+            "cost": 1,
+            "delta_of": None,
+            "idempotency_key": None,
+            "request_hash": None,
+        }
+        for c in clicks
+        if c["item"] in reserved
+    ]
+    for n, a in enumerate(admits):
+        a["item"] = n
+    if admits:
+        await conn.fetch(Q["admit_many"], admits)
+
+
+async def finish_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
+    """A group commit of Core's completions of active jobs of both users."""
+    runs = await conn.fetch(
+        "SELECT core_run_id FROM analysis_jobs WHERE status IN ('pending', 'running')"
+        " AND core_run_id IS NOT NULL ORDER BY random() LIMIT 4"
+    )
+    items = [
+        {
+            "item": n,
+            "core_run_id": r["core_run_id"],
+            "status": rng.choice(("succeeded", "failed")),
+            "from": ["pending", "running"],
+            "error_code": None,
+            "error_detail": None,
+            "verdicts": None,
+            "ran": True,
+        }
+        for n, r in enumerate(runs)
+    ]
+    if items:
+        await conn.fetch(Q["finish_many"], items)
+
+
 async def _finish(conn: asyncpg.Connection[Any], job_id: Any, status: str, fr: list[str]) -> None:
     delete = status == "cancelled"
     await _one(conn, Q["finish"], job_id, None, None, status, fr, delete, None, None, None, True)
@@ -154,6 +220,8 @@ async def grant(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
 
 OPERATIONS: dict[str, Op] = {
     "admit": admit,
+    "admit_batch": admit_batch,
+    "finish_batch": finish_batch,
     "reserve_with_key": reserve_with_key,
     "finish": finish,
     "cancel": cancel,

@@ -6,6 +6,13 @@ Order of an admit (no database transaction is ever held across the call to Core)
   3. ``admit``: under the user lock, debit and insert the job, ``queued`` or ``pending``.
 A refusal at any step leaves no job, no debit and no held run behind; where the process dies
 between steps, the reservation row tells the sweep which held run to cancel.
+
+Steps 1 and 3 are group commits (queue/group_commit.py): the clicks that arrive while the
+previous batch is being written share one transaction, and step 3 one notifying commit, the
+cost every click used to pay alone. Each click is still decided for itself, in arrival order
+(sql/functions/admit.sql, ``aq_reserve_many_v1`` and ``aq_admit_many_v1``); one whose user's
+lock is held elsewhere, or whose batch failed for a reason of its own, is decided alone, as it
+was before the batches.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 import orjson
@@ -24,11 +31,26 @@ import orjson
 from analysis_queue import errors
 from analysis_queue.core.client import CoreClient
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import Job, JobStatus, ReservationOutcome, WaitReason
+from analysis_queue.models import (
+    Admission,
+    AdmitRequest,
+    Batched,
+    BatchOutcome,
+    Job,
+    JobStatus,
+    Reservation,
+    ReservationOutcome,
+    ReserveRequest,
+    WaitReason,
+)
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
+from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout
 from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
+
+# Clicks per batch at most: every user lock a batch takes is held until its commit.
+BATCH_MAX = 64
 
 
 def request_hash(body: dict[str, Any]) -> str:
@@ -61,6 +83,13 @@ class Admitter:
         self.analysis_cost = analysis_cost
         self.recheck_cost = recheck_cost
         self.job_max_bytes = job_max_bytes
+        self._wait_s = db.timeouts.acquire_s
+        self._reservations: GroupCommit[ReserveRequest, Batched[Reservation]] = GroupCommit(
+            db.reserve_many, max_batch=BATCH_MAX, on_batch=metrics.batch_counter("reserve")
+        )
+        self._admissions: GroupCommit[AdmitRequest, Batched[Admission]] = GroupCommit(
+            db.admit_many, max_batch=BATCH_MAX, on_batch=metrics.batch_counter("admit")
+        )
 
     async def admit(
         self,
@@ -128,15 +157,17 @@ class Admitter:
     ) -> Admitted:
         self._check_size(thesis, sources)
         job_id, run_id = uuid.uuid4(), uuid.uuid4()
-        reservation = await self.db.reserve(
-            user_id=user_id,
-            run_id=run_id,
-            job_id=job_id,
-            cost=cost,
-            thesis=thesis,
-            sources=sources,
-            idempotency_key=idempotency_key,
-            request_hash=body_hash,
+        reservation = await self._reserve(
+            ReserveRequest(
+                user_id=user_id,
+                run_id=run_id,
+                job_id=job_id,
+                cost=cost,
+                thesis=thesis,
+                sources=sources,
+                idempotency_key=idempotency_key,
+                request_hash=body_hash,
+            )
         )
         if reservation.outcome is ReservationOutcome.EXISTING and reservation.job_id is not None:
             earlier = await self.db.get_job(reservation.job_id, user_id)
@@ -165,17 +196,19 @@ class Admitter:
             raise
 
         try:
-            admission = await self.db.admit(
-                job_id=job_id,
-                user_id=user_id,
-                run_id=run_id,
-                core_run_id=core_run.id,
-                thesis=thesis,
-                sources=sources,
-                cost=cost,
-                delta_of=delta_of,
-                idempotency_key=idempotency_key,
-                request_hash=body_hash,
+            admission = await self._admit_now(
+                AdmitRequest(
+                    job_id=job_id,
+                    user_id=user_id,
+                    run_id=run_id,
+                    core_run_id=core_run.id,
+                    thesis=thesis,
+                    sources=sources,
+                    cost=cost,
+                    delta_of=delta_of,
+                    idempotency_key=idempotency_key,
+                    request_hash=body_hash,
+                )
             )
         except errors.InsufficientCredits:
             # A concurrent admit spent the credit between reserve and debit: a definite
@@ -214,6 +247,45 @@ class Admitter:
         )
         return Admitted(job, created=True)
 
+    async def _reserve(self, request: ReserveRequest) -> Reservation:
+        batched = await _in_batch(self._reservations, request, "reserve", self._wait_s)
+        if batched is not None and batched.result is not None:
+            return batched.result
+        return await self.db.reserve(
+            user_id=request.user_id,
+            run_id=request.run_id,
+            job_id=request.job_id,
+            cost=request.cost,
+            thesis=request.thesis,
+            sources=request.sources,
+            idempotency_key=request.idempotency_key,
+            request_hash=request.request_hash,
+        )
+
+    async def _admit_now(self, request: AdmitRequest) -> Admission:
+        """The admit of one click: in the next batch, or alone when the batch cannot decide
+        it. Raises what ``Database.admit`` raises for the click's own refusals."""
+        batched = await _in_batch(self._admissions, request, "admit", self._wait_s)
+        if batched is not None:
+            if batched.outcome is BatchOutcome.INSUFFICIENT_CREDITS:
+                raise errors.InsufficientCredits()
+            if batched.outcome is BatchOutcome.RESERVATION_GONE:
+                raise errors.CoreUnavailable("The admission timed out; try again.")
+            if batched.result is not None:
+                return batched.result
+        return await self.db.admit(
+            job_id=request.job_id,
+            user_id=request.user_id,
+            run_id=request.run_id,
+            core_run_id=request.core_run_id,
+            thesis=request.thesis,
+            sources=request.sources,
+            cost=request.cost,
+            delta_of=request.delta_of,
+            idempotency_key=request.idempotency_key,
+            request_hash=request.request_hash,
+        )
+
     def _check_size(self, thesis: dict[str, Any], sources: list[str]) -> None:
         """What a job stores is bounded in bytes, not characters: everything that serves it
         (lists, event streams, replays, Core's request) then has a bound too."""
@@ -233,3 +305,29 @@ class Admitter:
             await self.db.set_reservation_core_run(run_id, core_run_id)
             return
         await self.db.release_reservation(run_id)
+
+
+R = TypeVar("R")
+Q = TypeVar("Q", ReserveRequest, AdmitRequest)
+
+
+async def _in_batch(
+    group: GroupCommit[Q, Batched[R]], request: Q, what: str, wait_s: float
+) -> Batched[R] | None:
+    """``request``'s answer from its batch; None when it must be decided alone: its user was
+    busy, or the batch failed for a reason that is not this click's (a retry alone then either
+    succeeds or fails with the click's own error). A database that is unavailable is everyone's
+    answer: no retry. A click waits for a place in a batch as long as it would for a pooled
+    connection (``wait_s``), then it is a 503 too, with nothing written for it."""
+    try:
+        batched = await group.submit(request, queue_timeout_s=wait_s)
+    except QueueTimeout as exc:
+        raise errors.DatabaseUnavailable() from exc
+    except errors.DatabaseUnavailable:
+        raise
+    except Exception:
+        log.exception("group commit failed; deciding alone", extra={"action": what})
+        return None
+    if batched is None or batched.outcome is BatchOutcome.BUSY:
+        return None
+    return batched

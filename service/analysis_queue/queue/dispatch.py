@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -95,25 +94,15 @@ class Dispatcher:
         # Claims and running marks of concurrent dispatches go out as one statement each.
         self._claims: GroupCommit[UUID, Job] = GroupCommit(
             lambda ids: db.claim(ids, settings.instance_id, settings.claim_lease_s),
-            on_batch=self._counted("claim"),
+            on_batch=metrics.batch_counter("claim"),
         )
         self._running: GroupCommit[UUID, Job] = GroupCommit(
             lambda ids: db.mark_running(ids, settings.instance_id),
-            on_batch=self._counted("running"),
+            on_batch=metrics.batch_counter("running"),
         )
         self._stopping = False
         self.released = 0  # counters for tests and metrics
         self.gave_up = 0
-
-    def _counted(self, what: str) -> Callable[[int], None]:
-        statements = self.metrics.group_commit_statements.labels(what)
-        jobs = self.metrics.group_commit_jobs.labels(what)
-
-        def count(n: int) -> None:
-            statements.inc()
-            jobs.inc(n)
-
-        return count
 
     def submit(self, job_id: UUID) -> None:
         """Release ``job_id`` soon. A job already in flight here is not submitted twice; one

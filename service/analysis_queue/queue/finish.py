@@ -8,6 +8,12 @@ the caller names, under the user lock, so a duplicate, late or out-of-order repo
 nothing twice. A completion accepts ``pending`` because Core's callback can arrive before the
 releasing instance has written ``running``. What the finish promoted, and its refund, go to the
 follow-up (queue/followup.py).
+
+Core's reports (callbacks and the sweep's polls) are a group commit: those that arrive while the
+previous batch is being written are finished in one transaction and one notifying commit
+(``aq_finish_many_v1``), each as ``aq_finish_v2`` alone would, and each answered after that
+commit; one whose user's lock is held elsewhere, or whose batch failed for a reason of its own,
+is finished alone.
 """
 
 from __future__ import annotations
@@ -22,14 +28,20 @@ from analysis_queue.core.client import CoreClient, CoreRun, RunState
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import (
     ACTIVE_STATUSES,
+    Batched,
+    BatchOutcome,
+    CompletionRequest,
     Finish,
     JobStatus,
     StaleReservation,
 )
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
+from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout
 from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
+
+BATCH_MAX = 64  # reports per batch at most: each user lock it takes is held to its commit
 
 _STATUS_OF_STATE: dict[str, JobStatus] = {
     RunState.COMPLETED: JobStatus.SUCCEEDED,
@@ -56,6 +68,9 @@ class Finisher:
         self.core = core
         self.followup = followup
         self.metrics = metrics
+        self._completions: GroupCommit[CompletionRequest, Batched[Finish]] = GroupCommit(
+            db.finish_many, max_batch=BATCH_MAX, on_batch=metrics.batch_counter("finish")
+        )
 
     def _followed(self, result: Finish) -> None:
         if not result.changed:
@@ -85,16 +100,18 @@ class Finisher:
         status = _STATUS_OF_STATE.get(run.state)
         if status is None:
             return Applied.NOT_FINISHED
-        result = await self.db.finish(
-            core_run_id=run.id,
-            status=status,
-            from_statuses=tuple(ACTIVE_STATUSES),
-            error_code=_ERROR_OF_STATUS.get(status),
-            error_detail=run.error,
-            verdicts=[v.model_dump() for v in run.verdicts]
-            if status is JobStatus.SUCCEEDED
-            else None,
-            ran=status is not JobStatus.CANCELLED,
+        result = await self._complete(
+            CompletionRequest(
+                core_run_id=run.id,
+                status=status,
+                from_statuses=tuple(ACTIVE_STATUSES),
+                error_code=_ERROR_OF_STATUS.get(status),
+                error_detail=run.error,
+                verdicts=[v.model_dump() for v in run.verdicts]
+                if status is JobStatus.SUCCEEDED
+                else None,
+                ran=status is not JobStatus.CANCELLED,
+            )
         )
         if result is None:
             log.warning(
@@ -113,6 +130,35 @@ class Finisher:
             },
         )
         return Applied.APPLIED if result.changed else Applied.DUPLICATE
+
+    async def _complete(self, request: CompletionRequest) -> Finish | None:
+        """Finish the job of a completed run: in the next batch, or alone when the batch cannot
+        (its user busy elsewhere, or the batch failed for a reason of its own). None: no job has
+        that run."""
+        try:
+            batched = await self._completions.submit(
+                request, queue_timeout_s=self.db.timeouts.acquire_s
+            )
+        except QueueTimeout as exc:
+            raise errors.DatabaseUnavailable() from exc
+        except errors.DatabaseUnavailable:
+            raise
+        except Exception:
+            log.exception("group commit failed; finishing alone", extra={"action": "complete"})
+            batched = None
+        if batched is not None and batched.outcome is BatchOutcome.UNKNOWN:
+            return None
+        if batched is not None and batched.result is not None:
+            return batched.result
+        return await self.db.finish(
+            core_run_id=request.core_run_id,
+            status=request.status,
+            from_statuses=request.from_statuses,
+            error_code=request.error_code,
+            error_detail=request.error_detail,
+            verdicts=request.verdicts,
+            ran=request.ran,
+        )
 
     async def fail(
         self, job_id: UUID, *, from_statuses: Sequence[JobStatus], code: str, detail: str

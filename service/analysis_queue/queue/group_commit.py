@@ -8,6 +8,10 @@ callers cost one round trip and one commit instead of N, and one turn at Postgre
 commit lock, which every notifying commit in the cluster takes in turn.
 
 A failed statement fails every caller of its batch with the same exception and nobody else's.
+A caller may bound its wait for a place in a statement (``queue_timeout_s``): past it, if its key
+is still waiting (nothing was written for it), it gets :class:`QueueTimeout`; once its key is in
+a statement being written it waits for that statement's answer, which is bounded by the
+statement's own timeout, so that a caller never learns less than what was written for it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+
+
+class QueueTimeout(Exception):
+    """A key waited for a place in a statement longer than its caller allowed; nothing was
+    written for it."""
 
 
 class GroupCommit(Generic[K, V]):
@@ -44,12 +53,22 @@ class GroupCommit(Generic[K, V]):
         self.batches = 0  # counters, for tests and the benchmark notes
         self.keys = 0
 
-    async def submit(self, key: K) -> V | None:
+    async def submit(self, key: K, *, queue_timeout_s: float | None = None) -> V | None:
         future: asyncio.Future[V | None] = asyncio.get_running_loop().create_future()
-        self._waiting.append((key, future))
+        entry = (key, future)
+        self._waiting.append(entry)
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._run(), name="group-commit")
-        return await future
+        if queue_timeout_s is None:
+            return await future
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), queue_timeout_s)
+        except TimeoutError:
+            if entry in self._waiting:  # still waiting for a statement: none will be written
+                self._waiting.remove(entry)
+                future.cancel()
+                raise QueueTimeout() from None
+            return await future  # in the statement being written: its answer is coming
 
     async def _run(self) -> None:
         try:

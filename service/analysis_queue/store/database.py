@@ -23,7 +23,11 @@ from analysis_queue import errors
 from analysis_queue.config import Pooler
 from analysis_queue.models import (
     Admission,
+    AdmitRequest,
+    Batched,
+    BatchOutcome,
     Capacity,
+    CompletionRequest,
     EventKind,
     EventPage,
     Finish,
@@ -34,6 +38,7 @@ from analysis_queue.models import (
     QueuePosition,
     Reservation,
     ReservationOutcome,
+    ReserveRequest,
     StaleReservation,
     UserLimit,
     Woken,
@@ -283,6 +288,69 @@ class Database:
         )
         return Admission(Job.from_row(row), _jobs(row["promoted"]))
 
+    async def reserve_many(
+        self, requests: Sequence[ReserveRequest]
+    ) -> dict[ReserveRequest, Batched[Reservation]]:
+        """The reservations of a group commit, in one transaction, each decided alone; a
+        request whose user's lock is held elsewhere comes back BUSY (reserve it alone)."""
+        items = [
+            {
+                "item": n,
+                "user_id": r.user_id,
+                "run_id": r.run_id,
+                "job_id": r.job_id,
+                "cost": r.cost,
+                "thesis": r.thesis,
+                "sources": r.sources,
+                "idempotency_key": r.idempotency_key,
+                "request_hash": r.request_hash,
+            }
+            for n, r in enumerate(requests)
+        ]
+        out: dict[ReserveRequest, Batched[Reservation]] = {}
+        for row in await self._fetch("reserve_many", items):
+            request = requests[row["item"]]
+            if row["outcome"] == BatchOutcome.BUSY:
+                out[request] = Batched(BatchOutcome.BUSY)
+            else:
+                reservation = Reservation(
+                    ReservationOutcome(row["outcome"]), row["job_id"], row["balance"]
+                )
+                out[request] = Batched(BatchOutcome.DONE, reservation)
+        return out
+
+    async def admit_many(
+        self, requests: Sequence[AdmitRequest]
+    ) -> dict[AdmitRequest, Batched[Admission]]:
+        """The admits of a group commit, in one transaction and one notifying commit, each
+        decided alone in order: DONE with its admission, INSUFFICIENT_CREDITS,
+        RESERVATION_GONE, or BUSY (its user's lock is held elsewhere: admit it alone)."""
+        items = [
+            {
+                "item": n,
+                "job_id": r.job_id,
+                "user_id": r.user_id,
+                "run_id": r.run_id,
+                "core_run_id": r.core_run_id,
+                "thesis": r.thesis,
+                "sources": r.sources,
+                "cost": r.cost,
+                "delta_of": r.delta_of,
+                "idempotency_key": r.idempotency_key,
+                "request_hash": r.request_hash,
+            }
+            for n, r in enumerate(requests)
+        ]
+        out: dict[AdmitRequest, Batched[Admission]] = {}
+        for row in await self._fetch("admit_many", items):
+            request = requests[row["item"]]
+            if row["outcome"] == "admitted":
+                admission = Admission(Job.from_row(row), _jobs(row["promoted"]))
+                out[request] = Batched(BatchOutcome.DONE, admission)
+            else:
+                out[request] = Batched(BatchOutcome(row["outcome"]))
+        return out
+
     async def release_reservation(self, run_id: UUID) -> None:
         await self._execute("reservation_release", run_id)
 
@@ -410,6 +478,44 @@ class Database:
             row["refunded"],
             _jobs(row["promoted"]),
         )
+
+    async def finish_many(
+        self, requests: Sequence[CompletionRequest]
+    ) -> dict[CompletionRequest, Batched[Finish]]:
+        """Core's completions of a group commit, in one transaction and one notifying commit,
+        each finished alone in order (filling the slot it frees): DONE with its finish, UNKNOWN
+        (no such run), or BUSY (its user's lock is held elsewhere: finish it alone)."""
+        items = [
+            {
+                "item": n,
+                "core_run_id": r.core_run_id,
+                "status": r.status,
+                "from": list(r.from_statuses),
+                "error_code": r.error_code,
+                "error_detail": r.error_detail,
+                "verdicts": r.verdicts,
+                "ran": r.ran,
+            }
+            for n, r in enumerate(requests)
+        ]
+        out: dict[CompletionRequest, Batched[Finish]] = {}
+        for row in await self._fetch("finish_many", items):
+            request = requests[row["item"]]
+            job = _job_or_none(row["job"])
+            if row["outcome"] == "finished" and job is not None:
+                finish = Finish(
+                    job,
+                    JobStatus(row["old_status"]),
+                    row["changed"],
+                    row["refunded"],
+                    _jobs(row["promoted"]),
+                )
+                out[request] = Batched(BatchOutcome.DONE, finish)
+            elif row["outcome"] == "busy":
+                out[request] = Batched(BatchOutcome.BUSY)
+            else:
+                out[request] = Batched(BatchOutcome.UNKNOWN)
+        return out
 
     # -- dispatch ----------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from analysis_queue.queue.group_commit import GroupCommit
+from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout
 
 
 class Recorder:
@@ -135,3 +135,18 @@ async def test_idle_waits_for_the_statement_in_flight() -> None:
     flush.gate.set()
     await asyncio.wait_for(idle, 1)
     assert flush.batches == [[0]]
+
+
+async def test_a_caller_may_bound_its_wait_for_a_place_but_not_for_its_answer() -> None:
+    flush = Recorder()
+    flush.gate.clear()
+    group: GroupCommit[int, str] = GroupCommit(flush)
+    in_flight = asyncio.create_task(group.submit(0, queue_timeout_s=0.05))
+    await asyncio.sleep(0)  # 0 goes out at once and is held open
+    queued = asyncio.create_task(group.submit(2, queue_timeout_s=0.05))
+    with pytest.raises(QueueTimeout):
+        await queued  # it never got a place: nothing was written for it
+    flush.gate.set()
+    assert await in_flight == "v0", "a key in a statement waits for that statement's answer"
+    assert flush.batches == [[0]]
+    assert await group.submit(4, queue_timeout_s=0.05) == "v4"

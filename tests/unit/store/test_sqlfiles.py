@@ -150,12 +150,17 @@ def test_user_lock_key_is_spelled_once() -> None:
     assert [name for name, _ in hits] == ["sql/functions/locks.sql"]
 
     text = (REPO / "sql" / "functions" / "locks.sql").read_text()
-    function = re.search(
-        r"CREATE OR REPLACE FUNCTION aq_lock_user_v1\(.*?\$\$(.*?)\$\$", text, flags=re.DOTALL
+    key = re.search(
+        r"CREATE OR REPLACE FUNCTION aq_user_lock_key_v1\(.*?\$\$(.*?)\$\$", text, flags=re.DOTALL
     )
-    assert function is not None
-    assert "'analysis_queue:'" in function.group(1)
-    assert function.start(1) < hits[0][1] < function.end(1)
+    assert key is not None
+    assert key.start(1) < hits[0][1] < key.end(1)
+    # Every function that takes or tries a user's lock computes the key with it.
+    for name in ("aq_lock_user_v1", "aq_try_lock_user_v1"):
+        body = re.search(
+            rf"CREATE OR REPLACE FUNCTION {name}\(.*?\$\$(.*?)\$\$", text, flags=re.DOTALL
+        )
+        assert body is not None and "aq_user_lock_key_v1(p_user_id)" in body.group(1), name
 
 
 # -- directives and statements: what a no-transaction migration runs ------------------------

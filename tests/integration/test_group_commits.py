@@ -1,0 +1,272 @@
+"""Admissions and completions as group commits: the clicks (and Core's reports) that arrive
+together share one transaction and one notifying commit, and each is still decided for itself,
+in arrival order; one whose user's lock is held elsewhere is decided alone and delays nobody."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+from analysis_queue.models import (
+    AdmitRequest,
+    BatchOutcome,
+    CompletionRequest,
+    JobStatus,
+    ReservationOutcome,
+    ReserveRequest,
+)
+from analysis_queue.store.database import Database
+from support import Harness, check_invariants, fetch, fetchval, wait_until_blocked
+
+THESIS = {"title": "Batched", "document_url": "https://uni.example/batched.pdf"}
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Database]:
+    d = await Database.connect(database_url, min_size=1, max_size=4)
+    try:
+        yield d
+    finally:
+        await d.close()
+
+
+def _reserve(user: str, cost: int = 1, key: str | None = None) -> ReserveRequest:
+    return ReserveRequest(
+        user_id=user,
+        run_id=uuid.uuid4(),
+        job_id=uuid.uuid4(),
+        cost=cost,
+        thesis=THESIS,
+        sources=["10.1000/x"],
+        idempotency_key=key,
+        request_hash="h" if key else None,
+    )
+
+
+def _admit(r: ReserveRequest) -> AdmitRequest:
+    return AdmitRequest(
+        job_id=r.job_id,
+        user_id=r.user_id,
+        run_id=r.run_id,
+        core_run_id=f"core-{r.job_id}",
+        thesis=r.thesis,
+        sources=r.sources,
+        cost=r.cost,
+        delta_of=None,
+        idempotency_key=r.idempotency_key,
+        request_hash=r.request_hash,
+    )
+
+
+async def _reserved(db: Database, requests: list[ReserveRequest]) -> None:
+    reservations = await db.reserve_many(requests)
+    assert [reservations[r].outcome for r in requests] == [BatchOutcome.DONE] * len(requests)
+    for r in requests:
+        reservation = reservations[r].result
+        assert reservation is not None and reservation.outcome is ReservationOutcome.RESERVED
+
+
+async def test_each_click_of_a_batch_is_decided_for_itself_in_arrival_order(
+    db: Database, database_url: str
+) -> None:
+    await db.grant_credits("alice", 2)
+    await db.grant_credits("bob", 1)
+    clicks = [_reserve("alice"), _reserve("bob"), _reserve("alice"), _reserve("carol")]
+    reservations = await db.reserve_many(clicks)
+    outcomes = [reservations[c].result.outcome for c in clicks]
+    assert outcomes == ["reserved", "reserved", "reserved", "insufficient_credits"]
+
+    admitted = await db.admit_many([_admit(c) for c in clicks[:3]])
+    results = [admitted[a] for a in admitted]
+    assert [r.outcome for r in results] == [BatchOutcome.DONE] * 3
+    jobs = {a.user_id + str(n): admitted[a].result.job for n, a in enumerate(admitted)}
+    # Alice's second click saw her first: queued behind it, first in her queue.
+    assert [(j.status, j.queue_position) for j in jobs.values()] == [
+        (JobStatus.PENDING, None),
+        (JobStatus.PENDING, None),
+        (JobStatus.QUEUED, 1),
+    ]
+    seqs = await fetch(
+        database_url, "SELECT user_id, queue_seq FROM analysis_jobs ORDER BY queue_seq"
+    )
+    assert [r["user_id"] for r in seqs] == ["alice", "bob", "alice"], "arrival order"
+    assert await db.balance("alice") == 0 and await db.balance("bob") == 0
+    await check_invariants(database_url)
+
+
+async def test_a_refusal_in_a_batch_rolls_back_nothing_of_its_neighbours(
+    db: Database, database_url: str
+) -> None:
+    await db.grant_credits("alice", 1)
+    await db.grant_credits("bob", 1)
+    first, second, neighbour = _reserve("alice"), _reserve("alice"), _reserve("bob")
+    await _reserved(db, [first, second, neighbour])  # both of alice's fit her balance now
+    gone = _reserve("dave")  # its reservation was reclaimed by the sweep meanwhile
+    admitted = await db.admit_many([_admit(first), _admit(second), _admit(gone), _admit(neighbour)])
+    assert [admitted[a].outcome for a in admitted] == [
+        BatchOutcome.DONE,
+        BatchOutcome.INSUFFICIENT_CREDITS,  # the first spent her only credit
+        BatchOutcome.RESERVATION_GONE,
+        BatchOutcome.DONE,
+    ]
+    assert await fetchval(database_url, "SELECT count(*) FROM analysis_jobs") == 2
+    # The refused click's reservation is still there, for its caller to release.
+    assert await fetchval(
+        database_url, "SELECT count(*) FROM core_run_reservations WHERE run_id = $1", second.run_id
+    )
+    await check_invariants(database_url)
+
+
+async def test_a_click_whose_user_is_busy_elsewhere_is_left_to_decide_alone(
+    db: Database, database_url: str
+) -> None:
+    for user in ("alice", "bob"):
+        await db.grant_credits(user, 5)
+    clicks = [_reserve("alice"), _reserve("bob"), _reserve("alice", key="k1")]
+    holder = await asyncpg.connect(database_url)
+    try:
+        await holder.execute("BEGIN; SELECT aq_lock_user_v1('alice')")
+        reservations = await db.reserve_many(clicks)
+        # Only a keyed reservation takes its user's lock: the others go through.
+        assert [reservations[c].outcome for c in clicks] == [
+            BatchOutcome.DONE,
+            BatchOutcome.DONE,
+            BatchOutcome.BUSY,
+        ]
+        admitted = await db.admit_many([_admit(c) for c in clicks[:2]])
+        assert [admitted[a].outcome for a in admitted] == [BatchOutcome.BUSY, BatchOutcome.DONE]
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
+    assert [
+        r["user_id"] for r in await fetch(database_url, "SELECT user_id FROM analysis_jobs")
+    ] == ["bob"]
+
+
+async def test_once_a_user_is_busy_their_later_clicks_in_the_batch_are_too(
+    db: Database, database_url: str
+) -> None:
+    await db.grant_credits("alice", 5)
+    clicks = [_reserve("alice"), _reserve("alice")]
+    await _reserved(db, clicks)
+    holder = await asyncpg.connect(database_url)
+    try:
+        await holder.execute("BEGIN; SELECT aq_lock_user_v1('alice')")
+        admitted = await db.admit_many([_admit(c) for c in clicks])
+        # The first is busy; the second must not overtake it, even if the lock were free.
+        assert [admitted[a].outcome for a in admitted] == [BatchOutcome.BUSY, BatchOutcome.BUSY]
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
+
+
+async def test_completions_of_a_batch_each_fill_the_slot_they_free(
+    db: Database, database_url: str
+) -> None:
+    for user in ("alice", "bob"):
+        await db.grant_credits(user, 2)
+    clicks = [_reserve("alice"), _reserve("bob"), _reserve("alice"), _reserve("bob")]
+    await _reserved(db, clicks)
+    admitted = await db.admit_many([_admit(c) for c in clicks])
+    running = [a for a in admitted if admitted[a].result.job.status is JobStatus.PENDING]
+    assert len(running) == 2
+    done = [
+        CompletionRequest(
+            core_run_id=a.core_run_id,
+            status=JobStatus.SUCCEEDED,
+            from_statuses=(JobStatus.PENDING, JobStatus.RUNNING),
+            error_code=None,
+            error_detail=None,
+            verdicts=[{"source": "10.1000/x", "verdict": "supported"}],
+            ran=True,
+        )
+        for a in running
+    ]
+    unknown = CompletionRequest(
+        core_run_id="core-unknown",
+        status=JobStatus.SUCCEEDED,
+        from_statuses=(JobStatus.PENDING,),
+        error_code=None,
+        error_detail=None,
+        verdicts=None,
+        ran=True,
+    )
+    again = dataclasses.replace(done[0])  # Core reports the same run twice in one batch
+    finished = await db.finish_many([*done, unknown, again])
+    outcomes = [finished[r] for r in (*done, unknown)]
+    duplicate = finished[again].result
+    assert duplicate is not None and not duplicate.changed, "a report changes a job once"
+    assert [o.outcome for o in outcomes] == [
+        BatchOutcome.DONE,
+        BatchOutcome.DONE,
+        BatchOutcome.UNKNOWN,
+    ]
+    for outcome in outcomes[:2]:
+        assert outcome.result is not None and outcome.result.changed
+        assert [j.status for j in outcome.result.promoted] == [JobStatus.PENDING]
+    statuses = await fetch(
+        database_url, "SELECT status, count(*) AS n FROM analysis_jobs GROUP BY status"
+    )
+    assert {r["status"]: r["n"] for r in statuses} == {"succeeded": 2, "pending": 2}
+    await check_invariants(database_url)
+
+
+# -- through the service ---------------------------------------------------------------------
+
+
+def _statements(inst: Any, what: str) -> tuple[float, float]:
+    registry = inst.services.metrics.registry
+    return (
+        registry.get_sample_value("aq_group_commit_statements_total", {"what": what}) or 0.0,
+        registry.get_sample_value("aq_group_commit_jobs_total", {"what": what}) or 0.0,
+    )
+
+
+async def test_clicks_that_arrive_together_share_statements_and_get_their_own_answers(
+    harness: Harness,
+) -> None:
+    h = harness
+    h.sim.judge_time_s = 600
+    inst = await h.start_instance()
+    users = [f"user-{n}" for n in range(40)]
+    for user in users:
+        await h.grant(user, 1)
+    answers = await asyncio.gather(*(h.admit(u, 1) for u in users), h.admit("broke", 1))
+    assert [status for status, _ in answers] == [201] * 40 + [402]
+    assert all(body["status"] == "pending" for _, body in answers[:40])
+    assert len({body["id"] for _, body in answers[:40]}) == 40
+    admit_statements, admit_jobs = _statements(inst, "admit")
+    reserve_statements, reserve_jobs = _statements(inst, "reserve")
+    assert (admit_jobs, reserve_jobs) == (40, 41)
+    assert admit_statements < 40 and reserve_statements < 41, "they shared statements"
+    await check_invariants(h.database_url)
+
+
+async def test_a_click_whose_user_is_busy_waits_alone_and_its_neighbours_do_not(
+    harness: Harness,
+) -> None:
+    h = harness
+    h.sim.judge_time_s = 600
+    await h.start_instance()
+    await h.grant("alice", 1)
+    await h.grant("bob", 1)
+    holder = await h.db()
+    try:
+        await holder.execute("BEGIN; SELECT aq_lock_user_v1('alice')")
+        alice = asyncio.create_task(h.admit("alice", 1))
+        bob = await asyncio.wait_for(h.admit("bob", 1), 10)  # never waits for alice's lock
+        assert bob[0] == 201
+        # Alice's click left its batch and waits for her lock by itself.
+        await wait_until_blocked(h.database_url, holder.get_server_pid())
+        assert not alice.done()
+    finally:
+        await holder.execute("ROLLBACK")
+        await holder.close()
+    status, body = await asyncio.wait_for(alice, 10)
+    assert (status, body["status"]) == (201, "pending")
+    await check_invariants(h.database_url)
