@@ -11,11 +11,12 @@ SELECT (r.job).*, r.queue_position, r.promoted
   FROM aq_admit_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) r;
 
 -- admit_many --
--- The admits of a group commit (aq_admit_many_v1): $1 [{"item", aq_admit_v2's arguments}].
+-- The admits of a group commit (aq_admit_many_v1): $1 [{"item", aq_admit_v2's arguments}],
+-- $2 the instance that releases what they start, $3 its claim lease in seconds.
 -- -> per item: its outcome, and when admitted the job's columns, its position and what it
--- promoted.
+-- promoted (claimed for $2).
 SELECT r.item, r.outcome, (r.job).*, r.queue_position, r.promoted
-  FROM aq_admit_many_v1($1) r;
+  FROM aq_admit_many_v1($1, $2, $3) r;
 
 -- reserve_many --
 -- The reservations of a group commit (aq_reserve_many_v1): $1 [{"item", aq_reserve_v1's
@@ -48,9 +49,10 @@ SELECT * FROM aq_finish_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
 
 -- finish_many --
 -- Core's completions of a group commit (aq_finish_many_v1): $1 [{"item", "core_run_id",
--- "status", "from", "error_code", "error_detail", "verdicts", "ran"}].
--- -> per item: its outcome and aq_finish_v2's columns.
-SELECT * FROM aq_finish_many_v1($1);
+-- "status", "from", "error_code", "error_detail", "verdicts", "ran"}], $2 the instance that
+-- releases what they promote, $3 its claim lease in seconds.
+-- -> per item: its outcome and aq_finish_v2's columns (the promoted jobs claimed for $2).
+SELECT * FROM aq_finish_many_v1($1, $2, $3);
 
 -- ceiling_set --
 -- Set the global ceiling (NULL: off), waiting for decisions in flight: $1 ceiling.

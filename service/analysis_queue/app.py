@@ -47,7 +47,7 @@ from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.followup import FollowUp, Trigger
 from analysis_queue.queue.promote import Promoter
-from analysis_queue.store.database import Database, Timeouts
+from analysis_queue.store.database import Claim, Database, Timeouts
 from analysis_queue.store.driver import StartupParametersRefused
 from analysis_queue.store.embedded import EmbeddedUnavailable, start_embedded
 from analysis_queue.store.migrate import apply_migrations
@@ -271,7 +271,10 @@ def _make_services(
 ) -> Services:
     metrics = Metrics()
     followup = FollowUp(metrics)
-    finisher = Finisher(db, core, followup, metrics)
+    # What a batch of admits or completions starts is claimed for this instance in the same
+    # transaction: it releases them at once, with no claim statement in between.
+    claim = Claim(settings.instance_id, settings.claim_lease_s)
+    finisher = Finisher(db, core, followup, metrics, claim)
     dispatcher = Dispatcher(
         db,
         core,
@@ -349,6 +352,7 @@ def _make_services(
             analysis_cost=settings.analysis_cost,
             recheck_cost=settings.recheck_cost,
             job_max_bytes=settings.job_max_bytes,
+            claim=claim,
         ),
         finisher=finisher,
         dispatcher=dispatcher,

@@ -110,6 +110,7 @@ class Job:
     verdicts: list[dict[str, Any]] | None
     queue_position: int | None = None
     waiting_for: WaitReason | None = None  # queued only
+    claimed_by: str | None = None  # the instance releasing it, while pending
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:
@@ -136,6 +137,7 @@ class Job:
             verdicts=row["verdicts"],
             queue_position=row.get("queue_position"),
             waiting_for=_wait(row.get("waiting_for")),
+            claimed_by=row.get("claimed_by"),
         )
 
     @property

@@ -235,8 +235,10 @@ $$;
 
 -- Outcomes: 'admitted' (job, queue_position, promoted as aq_admit_v2 returns them),
 -- 'insufficient_credits', 'reservation_gone' (the refusals aq_admit_v2 raises, decided here
--- before anything is written, so they roll back nothing of the batch), or 'busy'.
-CREATE OR REPLACE FUNCTION aq_admit_many_v1(p_items jsonb)
+-- before anything is written, so they roll back nothing of the batch), or 'busy'. The jobs an
+-- admit started are claimed for p_instance, which releases them (aq_claim_started_v1).
+CREATE OR REPLACE FUNCTION aq_admit_many_v1(
+    p_items jsonb, p_instance text, p_lease_s double precision)
 RETURNS TABLE (item integer, outcome text, job analysis_jobs, queue_position bigint,
                promoted analysis_jobs[])
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
@@ -277,7 +279,11 @@ BEGIN
                                r.request_hash) a;
             job := v_admitted.job;
             queue_position := v_admitted.queue_position;
-            promoted := v_admitted.promoted;
+            promoted := aq_claim_started_v1(v_admitted.promoted, p_instance, p_lease_s);
+            IF job.status = 'pending'
+               AND NOT job.id = ANY (ARRAY(SELECT x.id FROM unnest(promoted) x)) THEN
+                job := (aq_claim_started_v1(ARRAY[job], p_instance, p_lease_s))[1];
+            END IF;
             outcome := 'admitted';
         END IF;
         RETURN NEXT;

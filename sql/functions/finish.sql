@@ -122,8 +122,10 @@ $$;
 -- batch), and its caller finishes it alone: the batch never waits for a user's lock.
 -- p_items: [{"item": n, "core_run_id", "status", "from" (statuses), "error_code",
 -- "error_detail", "verdicts", "ran"}, ...].
--- Outcomes: 'finished' (the columns of aq_finish_v2), 'unknown' (no such run), 'busy'.
-CREATE OR REPLACE FUNCTION aq_finish_many_v1(p_items jsonb)
+-- Outcomes: 'finished' (the columns of aq_finish_v2), 'unknown' (no such run), 'busy'. The
+-- jobs a finish promoted are claimed for p_instance, which releases them (aq_claim_started_v1).
+CREATE OR REPLACE FUNCTION aq_finish_many_v1(
+    p_items jsonb, p_instance text, p_lease_s double precision)
 RETURNS TABLE (item integer, outcome text, job analysis_jobs, old_status text, changed boolean,
                refunded boolean, promoted analysis_jobs[])
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
@@ -160,7 +162,7 @@ BEGIN
             old_status := v_finished.old_status;
             changed := v_finished.changed;
             refunded := v_finished.refunded;
-            promoted := v_finished.promoted;
+            promoted := aq_claim_started_v1(v_finished.promoted, p_instance, p_lease_s);
             outcome := CASE WHEN job.id IS NULL THEN 'unknown' ELSE 'finished' END;
         END IF;
         RETURN NEXT;

@@ -43,3 +43,41 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- Claim, in the transaction that made them pending, the jobs a batch of admits or completions
+-- started (aq_admit_many_v1, aq_finish_many_v1), for the instance that wrote the batch and will
+-- release them at once: the claim is then no statement of its own between pending and running.
+-- The same compare-and-set as the claim query (jobs_claim). Returns the jobs as they are now,
+-- claimed or not, in the order given.
+CREATE OR REPLACE FUNCTION aq_claim_started_v1(
+    p_jobs analysis_jobs[], p_instance text, p_lease_s double precision)
+RETURNS analysis_jobs[]
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_claimed analysis_jobs[];
+    v_job analysis_jobs;
+    v_now analysis_jobs;
+    v_out analysis_jobs[] := '{}';
+BEGIN
+    IF p_instance IS NULL OR coalesce(cardinality(p_jobs), 0) = 0 THEN
+        RETURN coalesce(p_jobs, '{}');
+    END IF;
+    WITH claimed AS (
+        UPDATE analysis_jobs j
+           SET claimed_by = p_instance,
+               claim_expires_at = clock_timestamp() + make_interval(secs => p_lease_s),
+               release_attempts = j.release_attempts + 1,
+               updated_at = clock_timestamp()
+         WHERE j.id = ANY (ARRAY(SELECT x.id FROM unnest(p_jobs) x))
+           AND j.status = 'pending'
+           AND (j.claim_expires_at IS NULL OR j.claim_expires_at < clock_timestamp())
+           AND (j.next_release_at IS NULL OR j.next_release_at <= clock_timestamp())
+        RETURNING j.*)
+    SELECT coalesce(array_agg(c), '{}') INTO v_claimed FROM claimed c;
+    FOREACH v_job IN ARRAY p_jobs LOOP
+        SELECT c.* INTO v_now FROM unnest(v_claimed) c WHERE c.id = v_job.id;
+        v_out := v_out || CASE WHEN FOUND THEN v_now ELSE v_job END;
+    END LOOP;
+    RETURN v_out;
+END
+$$;

@@ -20,8 +20,8 @@ from analysis_queue.models import (
     ReservationOutcome,
     ReserveRequest,
 )
-from analysis_queue.store.database import Database
-from support import Harness, check_invariants, fetch, fetchval, wait_until_blocked
+from analysis_queue.store.database import Claim, Database
+from support import Harness, check_invariants, fetch, fetchval, wait_for, wait_until_blocked
 
 THESIS = {"title": "Batched", "document_url": "https://uni.example/batched.pdf"}
 
@@ -172,8 +172,10 @@ async def test_completions_of_a_batch_each_fill_the_slot_they_free(
         await db.grant_credits(user, 2)
     clicks = [_reserve("alice"), _reserve("bob"), _reserve("alice"), _reserve("bob")]
     await _reserved(db, clicks)
-    admitted = await db.admit_many([_admit(c) for c in clicks])
+    admitted = await db.admit_many([_admit(c) for c in clicks], Claim("inst-a", 60))
     running = [a for a in admitted if admitted[a].result.job.status is JobStatus.PENDING]
+    # What the admits started is claimed, in their transaction, for the instance releasing it.
+    assert {admitted[a].result.job.claimed_by for a in running} == {"inst-a"}
     assert len(running) == 2
     done = [
         CompletionRequest(
@@ -197,7 +199,7 @@ async def test_completions_of_a_batch_each_fill_the_slot_they_free(
         ran=True,
     )
     again = dataclasses.replace(done[0])  # Core reports the same run twice in one batch
-    finished = await db.finish_many([*done, unknown, again])
+    finished = await db.finish_many([*done, unknown, again], Claim("inst-b", 60))
     outcomes = [finished[r] for r in (*done, unknown)]
     duplicate = finished[again].result
     assert duplicate is not None and not duplicate.changed, "a report changes a job once"
@@ -208,7 +210,9 @@ async def test_completions_of_a_batch_each_fill_the_slot_they_free(
     ]
     for outcome in outcomes[:2]:
         assert outcome.result is not None and outcome.result.changed
-        assert [j.status for j in outcome.result.promoted] == [JobStatus.PENDING]
+        assert [(j.status, j.claimed_by) for j in outcome.result.promoted] == [
+            (JobStatus.PENDING, "inst-b")
+        ]
     statuses = await fetch(
         database_url, "SELECT status, count(*) AS n FROM analysis_jobs GROUP BY status"
     )
@@ -244,6 +248,13 @@ async def test_clicks_that_arrive_together_share_statements_and_get_their_own_an
     reserve_statements, reserve_jobs = _statements(inst, "reserve")
     assert (admit_jobs, reserve_jobs) == (40, 41)
     assert admit_statements < 40 and reserve_statements < 41, "they shared statements"
+
+    async def all_running() -> bool:
+        return _statements(inst, "running")[1] == 40
+
+    await wait_for(all_running, what="the 40 releases")
+    # Each was claimed by the admit that started it: no claim statement of its own.
+    assert _statements(inst, "claim") == (0.0, 0.0)
     await check_invariants(h.database_url)
 
 

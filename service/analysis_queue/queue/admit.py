@@ -17,6 +17,7 @@ was before the batches.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -45,7 +46,7 @@ from analysis_queue.models import (
 )
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
 from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout
-from analysis_queue.store.database import Database
+from analysis_queue.store.database import Claim, Database
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Admitter:
         analysis_cost: int,
         recheck_cost: int,
         job_max_bytes: int = 64 * 1024,
+        claim: Claim | None = None,
     ) -> None:
         self.db = db
         self.core = core
@@ -88,7 +90,9 @@ class Admitter:
             db.reserve_many, max_batch=BATCH_MAX, on_batch=metrics.batch_counter("reserve")
         )
         self._admissions: GroupCommit[AdmitRequest, Batched[Admission]] = GroupCommit(
-            db.admit_many, max_batch=BATCH_MAX, on_batch=metrics.batch_counter("admit")
+            functools.partial(db.admit_many, claim=claim),
+            max_batch=BATCH_MAX,
+            on_batch=metrics.batch_counter("admit"),
         )
 
     async def admit(

@@ -107,17 +107,30 @@ class Dispatcher:
     def submit(self, job_id: UUID) -> None:
         """Release ``job_id`` soon. A job already in flight here is not submitted twice; one
         another instance is releasing is refused by the claim."""
+        self._start(job_id, None)
+
+    def release(self, job: Job) -> None:
+        """Release a pending job soon: at once when the transaction that made it pending
+        already claimed it for this instance (a batch of admits or completions), else after a
+        claim."""
+        mine = job.claimed_by == self.settings.instance_id
+        self._start(job.id, job if mine else None)
+
+    def _start(self, job_id: UUID, claimed: Job | None) -> None:
         if self._stopping or job_id in self._inflight:
             return
         self._inflight.add(job_id)
-        task = asyncio.create_task(self._run(job_id), name=f"dispatch-{job_id}")
+        task = asyncio.create_task(self._run(job_id, claimed), name=f"dispatch-{job_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, job_id: UUID) -> None:
+    async def _run(self, job_id: UUID, claimed: Job | None) -> None:
         try:
             async with self._sem:
-                outcome = await self.dispatch_once(job_id)
+                if claimed is not None:
+                    outcome = await self._release(claimed)
+                else:
+                    outcome = await self.dispatch_once(job_id)
             if outcome is not Released.NOT_CLAIMED:
                 self.metrics.releases.labels(outcome).inc()
         except errors.DatabaseUnavailable:
@@ -132,6 +145,10 @@ class Dispatcher:
         job = await self._claims.submit(job_id)
         if job is None:
             return Released.NOT_CLAIMED
+        return await self._release(job)
+
+    async def _release(self, job: Job) -> Released:
+        """Release a job this instance has claimed."""
         assert job.core_run_id is not None and job.promoted_at is not None
         deadline = job.promoted_at + timedelta(seconds=self.settings.release_window_s)
         try:

@@ -18,6 +18,7 @@ is finished alone.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from enum import StrEnum
@@ -37,7 +38,7 @@ from analysis_queue.models import (
 )
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
 from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout
-from analysis_queue.store.database import Database
+from analysis_queue.store.database import Claim, Database
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,21 @@ class Applied(StrEnum):
 
 class Finisher:
     def __init__(
-        self, db: Database, core: CoreClient, followup: FollowUp, metrics: Metrics
+        self,
+        db: Database,
+        core: CoreClient,
+        followup: FollowUp,
+        metrics: Metrics,
+        claim: Claim | None = None,
     ) -> None:
         self.db = db
         self.core = core
         self.followup = followup
         self.metrics = metrics
         self._completions: GroupCommit[CompletionRequest, Batched[Finish]] = GroupCommit(
-            db.finish_many, max_batch=BATCH_MAX, on_batch=metrics.batch_counter("finish")
+            functools.partial(db.finish_many, claim=claim),
+            max_batch=BATCH_MAX,
+            on_batch=metrics.batch_counter("finish"),
         )
 
     def _followed(self, result: Finish) -> None:

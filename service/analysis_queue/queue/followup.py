@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
-from uuid import UUID
 
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import Job
@@ -44,9 +43,10 @@ class Trigger(StrEnum):
 
 
 class Releases(Protocol):
-    """Who releases held runs (``queue/dispatch.Dispatcher``)."""
+    """Who releases held runs (``queue/dispatch.Dispatcher``): ``release(job)`` knows from the
+    job whether its claim is already this instance's."""
 
-    def submit(self, job_id: UUID) -> None: ...
+    def release(self, job: Job) -> None: ...
 
 
 class Passes(Protocol):
@@ -106,9 +106,9 @@ class FollowUp:
                     "user_id": job.user_id,
                 },
             )
-            self._releases.submit(job.id)
+            self._releases.release(job)
         for job in decision.unreleased:
-            self._releases.submit(job.id)
+            self._releases.release(job)
         if decision.refunded is not None:
             self._metrics.refunds.labels(decision.refunded.error_code or "unknown").inc()
         if decision.asks_pass is not None:

@@ -74,6 +74,14 @@ class Timeouts:
 DEFAULT_TIMEOUTS = Timeouts()
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Who claims the jobs a batch starts, and for how long (the dispatcher's claim lease)."""
+
+    instance_id: str
+    lease_s: float
+
+
 def _job_or_none(row: Any) -> Job | None:
     if row is None or row["id"] is None:
         return None
@@ -320,11 +328,12 @@ class Database:
         return out
 
     async def admit_many(
-        self, requests: Sequence[AdmitRequest]
+        self, requests: Sequence[AdmitRequest], claim: Claim | None = None
     ) -> dict[AdmitRequest, Batched[Admission]]:
         """The admits of a group commit, in one transaction and one notifying commit, each
         decided alone in order: DONE with its admission, INSUFFICIENT_CREDITS,
-        RESERVATION_GONE, or BUSY (its user's lock is held elsewhere: admit it alone)."""
+        RESERVATION_GONE, or BUSY (its user's lock is held elsewhere: admit it alone). The
+        jobs they start come back claimed for ``claim``'s instance."""
         items = [
             {
                 "item": n,
@@ -342,7 +351,8 @@ class Database:
             for n, r in enumerate(requests)
         ]
         out: dict[AdmitRequest, Batched[Admission]] = {}
-        for row in await self._fetch("admit_many", items):
+        instance, lease_s = (claim.instance_id, claim.lease_s) if claim else (None, None)
+        for row in await self._fetch("admit_many", items, instance, lease_s):
             request = requests[row["item"]]
             if row["outcome"] == "admitted":
                 admission = Admission(Job.from_row(row), _jobs(row["promoted"]))
@@ -480,11 +490,12 @@ class Database:
         )
 
     async def finish_many(
-        self, requests: Sequence[CompletionRequest]
+        self, requests: Sequence[CompletionRequest], claim: Claim | None = None
     ) -> dict[CompletionRequest, Batched[Finish]]:
         """Core's completions of a group commit, in one transaction and one notifying commit,
         each finished alone in order (filling the slot it frees): DONE with its finish, UNKNOWN
-        (no such run), or BUSY (its user's lock is held elsewhere: finish it alone)."""
+        (no such run), or BUSY (its user's lock is held elsewhere: finish it alone). The jobs
+        they promote come back claimed for ``claim``'s instance."""
         items = [
             {
                 "item": n,
@@ -499,7 +510,8 @@ class Database:
             for n, r in enumerate(requests)
         ]
         out: dict[CompletionRequest, Batched[Finish]] = {}
-        for row in await self._fetch("finish_many", items):
+        instance, lease_s = (claim.instance_id, claim.lease_s) if claim else (None, None)
+        for row in await self._fetch("finish_many", items, instance, lease_s):
             request = requests[row["item"]]
             job = _job_or_none(row["job"])
             if row["outcome"] == "finished" and job is not None:

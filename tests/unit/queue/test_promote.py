@@ -57,8 +57,8 @@ class RecordingDispatcher:
     def __init__(self) -> None:
         self.submitted: list[UUID] = []
 
-    def submit(self, job_id: UUID) -> None:
-        self.submitted.append(job_id)
+    def release(self, job: Job) -> None:
+        self.submitted.append(job.id)
 
 
 def _promoter(db: RecordingDatabase) -> tuple[Promoter, RecordingDispatcher, Metrics]:
