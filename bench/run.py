@@ -44,6 +44,7 @@ from analysis_queue.queue.finish import Finisher  # noqa: E402
 from analysis_queue.queue.followup import FollowUp  # noqa: E402
 from analysis_queue.queue.promote import Promoter  # noqa: E402
 from analysis_queue.store.database import Database  # noqa: E402
+from analysis_queue.store.listen import JOBS_CHANNEL  # noqa: E402
 from analysis_queue.store.migrate import apply_migrations  # noqa: E402
 from analysis_queue.store.sqlfiles import queries  # noqa: E402
 
@@ -501,6 +502,20 @@ async def bench_drain(
             cursor = 0
             import psutil
 
+            analyzer = asyncio.create_task(
+                analyzing(
+                    dsn,
+                    (
+                        "analysis_jobs",
+                        "job_events",
+                        "job_event_counters",
+                        "credit_accounts",
+                        "credit_ledger",
+                        "core_run_reservations",
+                    ),
+                )
+            )
+            await asyncio.sleep(0.2)  # its first ANALYZE is in before the clock starts
             cpu0 = (svc.cpu_s(), svc.sim.cpu_s(), psutil.cpu_times(), time.process_time())
             started = time.perf_counter()
 
@@ -519,8 +534,11 @@ async def bench_drain(
             admitted_s = time.perf_counter() - started
             await _wait_all_terminal(dsn, total, 600)
             wall = time.perf_counter() - started
+            analyzer.cancel()
+            await asyncio.gather(analyzer, return_exceptions=True)
             rss = svc.peak_rss_mb()
             batching = await _group_commits(http, base)
+            notifications = await _metric(http, base, "aq_notifications_total")
             sys_now = psutil.cpu_times()
             busy = (sys_now.user + sys_now.system) - (cpu0[2].user + cpu0[2].system)
             cpu = {
@@ -560,7 +578,19 @@ async def bench_drain(
         "peak_rss_mb": rss,
         "cpu_cores_used": cpu,
         "group_commits": batching,
+        # One notification per notifying commit, and the service's one instance hears them all.
+        "notifying_commits_per_job": notifications / total,
     }
+
+
+async def _metric(http: aiohttp.ClientSession, base: str, name: str) -> float:
+    async with http.get(f"{base}/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.split("{", 1)[0].split(" ", 1)[0] == name
+    )
 
 
 async def _group_commits(http: aiohttp.ClientSession, base: str) -> dict[str, dict[str, float]]:
@@ -581,7 +611,67 @@ async def _group_commits(http: aiohttp.ClientSession, base: str) -> dict[str, di
 
 # Triggers switched off to see what they cost (an experiment, never the product).
 WITHOUT_EVENT_LOG = ("analysis_jobs_event_insert_v2", "analysis_jobs_event_update_v2")
-WITHOUT_NOTIFY = ("analysis_jobs_notify_insert_v2", "analysis_jobs_notify_update_v3")
+WITHOUT_NOTIFY = (
+    "analysis_jobs_notice_insert_v1",
+    "analysis_jobs_notice_update_v1",
+    "analysis_jobs_notify_insert_v4",
+    "analysis_jobs_notify_update_v4",
+)
+ANALYZE_EVERY_S = 1.0  # what autovacuum would do for tables that grow from empty
+PEER_VENV = ROOT / "bench" / ".venv-peer"
+
+
+async def analyzing(dsn: str, tables: tuple[str, ...]) -> None:
+    """ANALYZE the tables before the clock starts, then every second, until cancelled: this
+    server runs with autovacuum off, and plans made for empty tables would measure nothing.
+    Both the service and its peer get it."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        while True:
+            for table in tables:
+                await conn.execute(f"ANALYZE {table}")
+            await asyncio.sleep(ANALYZE_EVERY_S)
+    finally:
+        await conn.close()
+
+
+def _peer_python() -> Path:
+    """The peer's own virtual environment, made on first use from bench/peer-requirements.txt."""
+    python = PEER_VENV / "bin" / "python"
+    stamp = PEER_VENV / ".installed"
+    requirements = ROOT / "bench" / "peer-requirements.txt"
+    if not stamp.exists() or stamp.read_text() != requirements.read_text():
+        subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "-r", str(requirements)], check=True
+        )
+        stamp.write_text(requirements.read_text())
+    return python
+
+
+async def bench_peer_drain(
+    server: str, users_n: int, per_user: int, worker_concurrency: int
+) -> dict[str, Any]:
+    """procrastinate's per-key lock drain (bench/peer_procrastinate.py) on a fresh database of
+    the same server, with as many concurrent clients as the service's drain."""
+    python = await asyncio.to_thread(_peer_python)
+    async with fresh_database(server) as dsn:
+        proc = await asyncio.create_subprocess_exec(
+            str(python),
+            str(ROOT / "bench" / "peer_procrastinate.py"),
+            dsn,
+            str(users_n),
+            str(per_user),
+            str(CONCURRENCY),
+            str(worker_concurrency),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the peer failed: {err.decode()[-2000:]}")
+    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
 
 
 async def raw_drain(
@@ -606,7 +696,7 @@ async def raw_drain(
             nonlocal heard
             heard += 1
 
-        await listener.add_listener("aq_jobs_v1", on_notify)
+        await listener.add_listener(JOBS_CHANNEL, on_notify)
         db = await Database.connect(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY)
         pool = db.pool
         todo = list(users)
@@ -817,6 +907,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 print_raw_drain(results["drain_raw_sql"])
                 results["drain"] = await bench_drain(server, tmp, http, users, 5)
                 print_drain(results["drain"])
+                peers = [await bench_peer_drain(server, users, 5, c) for c in (16, 64)]
+                results["drain_peer_procrastinate"] = max(peers, key=lambda p: p["jobs_per_s"])
+                results["drain_peer_procrastinate"]["tried"] = peers
+                print_peer_drain(results["drain_peer_procrastinate"], results["drain"])
                 results["drain_ceiling_40"] = await bench_drain(
                     server, tmp, http, users, 5, ceiling=40
                 )
@@ -866,6 +960,7 @@ def print_drain(r: dict[str, Any], label: str = "") -> None:
     print(
         "   CPU (cores busy): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores_used"].items())
     )
+    print(f"   notifying commits per admitted job: {r['notifying_commits_per_job']:.2f}")
     gc = r.get("group_commits", {})
     print(
         "   group commits: "
@@ -873,6 +968,17 @@ def print_drain(r: dict[str, Any], label: str = "") -> None:
             f"{what} {v.get('jobs', 0):.0f} jobs in {v.get('statements', 0):.0f} statements"
             for what, v in sorted(gc.items())
         )
+    )
+
+
+def print_peer_drain(peer: dict[str, Any], ours: dict[str, Any]) -> None:
+    tried = ", ".join(f"{p['worker_concurrency']}: {p['jobs_per_s']:.0f}" for p in peer["tried"])
+    print(
+        f"\n3. Drain, the peer: procrastinate {peer['procrastinate']} with lock=<user>, "
+        f"{peer['jobs']} jobs in {peer['drained_in_s']:.1f}s = {peer['jobs_per_s']:.0f} jobs/s "
+        f"(worker concurrency {tried} jobs/s); max concurrency per lock "
+        f"{peer['max_concurrency_per_lock']}; the service / the peer: "
+        f"{ours['jobs_per_s'] / peer['jobs_per_s']:.2f}"
     )
 
 

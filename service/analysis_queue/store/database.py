@@ -102,6 +102,25 @@ async def _learn_row_types(conn: asyncpg.Connection[Any]) -> None:
         pass
 
 
+class _WarmedUp(Exception):
+    """Rolls the warm-up's transaction back."""
+
+
+async def _warm_up(conn: asyncpg.Connection[Any]) -> None:
+    """Walk a new connection through one job's path in a transaction rolled back
+    (``aq_warm_up_v1``, sql/functions/warm.sql): its backend compiles the queue's functions
+    and plans their statements now, not on some user's first admit or promotion. Best effort:
+    before the schema exists, or if the database refuses, the connection is used cold."""
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT aq_warm_up_v1()")
+            raise _WarmedUp
+    except _WarmedUp:
+        pass
+    except asyncpg.PostgresError as exc:
+        log.debug("warm-up skipped", extra={"action": "warm_up", "reason": str(exc)})
+
+
 def _jobs(rows: Any) -> tuple[Job, ...]:
     """An array of analysis_jobs rows (a composite array) as jobs."""
     return tuple(Job.from_row(r) for r in rows or ())
@@ -155,6 +174,7 @@ class Database:
         async def init(conn: asyncpg.Connection[Any]) -> None:
             await init_connection(conn)
             await _learn_row_types(conn)
+            await _warm_up(conn)
             if pooler is Pooler.NONE:
                 pid = conn.get_server_pid()
                 pids.add(pid)

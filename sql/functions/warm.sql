@@ -1,0 +1,47 @@
+-- warm: walk a pooled connection through one job's whole path once, so that no user's first
+-- admit, completion or promotion on that connection pays for compiling the PL/pgSQL functions
+-- and planning their statements (a backend does both on first use; measured as the slowest
+-- promotions of a run: docs/benchmarks.md).
+--
+-- store/database.py calls it when it opens a connection, inside a transaction it rolls back:
+-- nothing of it stays (sequence values aside), no notification goes out, and its one user's
+-- lock is held for the few milliseconds it takes. The user id cannot be a real one's: a JWT
+-- subject has no control characters (http/auth.py).
+
+CREATE OR REPLACE FUNCTION aq_warm_up_v1() RETURNS integer
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+DECLARE
+    v_user text := E'\x01warm-up';
+    v_runs uuid[] := ARRAY[gen_random_uuid(), gen_random_uuid()];
+    v_jobs uuid[] := ARRAY[gen_random_uuid(), gen_random_uuid()];
+    v_items jsonb := '[]';
+    v_steps integer := 0;
+    v_job analysis_jobs;
+BEGIN
+    PERFORM aq_credit_grant_v1(v_user, 2, NULL);
+    FOR n IN 1..2 LOOP
+        v_items := v_items || jsonb_build_object(
+            'item', n - 1, 'user_id', v_user, 'run_id', v_runs[n], 'job_id', v_jobs[n],
+            'cost', 1, 'thesis', '{}'::jsonb, 'sources', '[]'::jsonb,
+            'idempotency_key', NULL, 'request_hash', NULL);
+    END LOOP;
+    PERFORM aq_reserve_many_v1(v_items);
+    v_items := (SELECT jsonb_agg(i || jsonb_build_object(
+                    'core_run_id', 'warm-' || (i ->> 'job_id'), 'delta_of', NULL))
+                  FROM jsonb_array_elements(v_items) i);
+    PERFORM aq_admit_many_v1(v_items, 'warm-up', 1);
+    -- The first job runs, then Core reports it done: its finish promotes the second.
+    PERFORM aq_mark_running_v1(ARRAY[v_jobs[1]], 'warm-up');
+    PERFORM aq_finish_many_v1(
+        jsonb_build_array(jsonb_build_object(
+            'item', 0, 'core_run_id', 'warm-' || v_jobs[1], 'status', 'succeeded',
+            'from', ARRAY['pending', 'running'], 'error_code', NULL, 'error_detail', NULL,
+            'verdicts', '[]'::jsonb, 'ran', true)),
+        'warm-up', 1);
+    PERFORM aq_promote_woken_v1(ARRAY[v_user], 1);
+    FOR v_job IN SELECT * FROM analysis_jobs j WHERE j.user_id = v_user LOOP
+        v_steps := v_steps + 1;
+    END LOOP;
+    RETURN v_steps;
+END
+$$;
