@@ -547,6 +547,7 @@ def test_wheel_carries_the_sql(tmp_path: Path) -> None:
             "analysis_queue/http/static/index.html",
             "analysis_queue/http/static/app.js",
             "analysis_queue/http/static/app.css",
+            "analysis_queue/http/static/favicon.svg",
         ):
             assert required in names, sorted(names)
         site = tmp_path / "site"

@@ -19,6 +19,7 @@ CONTENT_TYPES = {
     "index.html": "text/html",
     "app.js": "text/javascript",
     "app.css": "text/css",
+    "favicon.svg": "image/svg+xml",
 }
 # The page loads nothing but its own files and talks to nothing but this service; no inline
 # script or style, so an injected string cannot run.

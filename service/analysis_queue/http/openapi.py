@@ -654,8 +654,8 @@ OPERATIONS: dict[RouteKey, Operation] = {
     ),
     ("GET", "/static/{name}"): Operation(
         "dashboardFile",
-        "The dashboard's script and style sheet",
-        {200: "text/javascript, text/css"},
+        "The dashboard's script, style sheet and icon",
+        {200: "text/javascript, text/css, image/svg+xml"},
         (404,),
         security=None,
         parameters=(
@@ -664,7 +664,7 @@ OPERATIONS: dict[RouteKey, Operation] = {
                 "in": "path",
                 "required": True,
                 "schema": {"type": "string"},
-                "description": "`app.js` or `app.css`; anything else is 404.",
+                "description": "`app.js`, `app.css` or `favicon.svg`; anything else is 404.",
             },
         ),
         tag="dashboard",
