@@ -120,7 +120,7 @@ async def admit_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> None
     for n, a in enumerate(admits):
         a["item"] = n
     if admits:
-        await conn.fetch(Q["admit_many"], admits)
+        await conn.fetch(Q["admit_many"], admits, f"inst-{rng.random()}", 0.05)
 
 
 async def finish_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
@@ -143,7 +143,7 @@ async def finish_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> Non
         for n, r in enumerate(runs)
     ]
     if items:
-        await conn.fetch(Q["finish_many"], items)
+        await conn.fetch(Q["finish_many"], items, f"inst-{rng.random()}", 0.05)
 
 
 async def _finish(conn: asyncpg.Connection[Any], job_id: Any, status: str, fr: list[str]) -> None:

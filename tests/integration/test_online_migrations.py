@@ -267,7 +267,10 @@ async def test_a_migration_behind_a_long_transaction_gives_way_to_the_admits(
         f"{_retries(caplog)} retries; longest of {len(admits.done)} admits "
         f"{admits.longest_s * 1000:.0f} ms (lock_timeout {locks.lock_timeout_s:g} s)"
     )
-    assert admits.longest_s < locks.lock_timeout_s + ADMIT_SLACK_S, admits.longest_s
+    # An admit is a group commit: a click can wait for the batch ahead of it as well as its
+    # own, each held up by one of the migration's tries at most (without the lock timeout
+    # they would wait for the whole report).
+    assert admits.longest_s < 2 * locks.lock_timeout_s + ADMIT_SLACK_S, admits.longest_s
 
 
 @pytest.mark.parametrize("holder_ends", [True, False], ids=["holder-ends", "bound-passes"])
