@@ -6,8 +6,12 @@ BIN := $(VENV)/bin
 # linters add to it: two stamps, so that `make run` never installs the test tools.
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
+UV := $(BIN)/uv
+# The lowest versions pyproject.toml allows, in a venv of their own (`make test-lowest`).
+LOWEST_VENV ?= $(VENV)-lowest
 
-.PHONY: install install-dev run demo test test-fast lint format typecheck check clean bench
+.PHONY: install install-dev run demo test test-fast test-lowest lint format typecheck check clean \
+	bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +28,9 @@ $(DEV_STAMP): pyproject.toml | $(BIN)/python
 install: $(RUN_STAMP)
 install-dev: $(DEV_STAMP)
 
+$(UV): | $(BIN)/python
+	$(BIN)/python -m pip install --quiet 'uv>=0.13,<0.14'
+
 run: install  ## the service in development mode: embedded PostgreSQL, Core simulator, secrets
 	$(BIN)/analysis-queue dev
 
@@ -35,6 +42,18 @@ test: install-dev  ## the whole suite (unit, integration, acceptance)
 
 test-fast: install-dev
 	$(BIN)/pytest tests/unit tests/integration -x -q
+
+# pyproject's lower bounds are claims; this installs what the tests run on (the `test` extra;
+# not `tools`, whose asyncpg-stubs would lift asyncpg to its own minor) at the lowest version
+# of every direct dependency allowed, transitive ones at their newest, and runs the unit and
+# integration tests there. The acceptance tests start processes and wait on wall time: not here.
+test-lowest: $(UV)  ## the unit and integration tests on the lowest versions pyproject allows
+	rm -rf $(LOWEST_VENV)
+	$(UV) venv --quiet --seed --python $(BIN)/python $(LOWEST_VENV)
+	$(UV) pip install --quiet --python $(LOWEST_VENV)/bin/python --resolution lowest-direct \
+		-e '.[test]'
+	$(UV) pip freeze --python $(LOWEST_VENV)/bin/python | tr '\n' ' '; echo
+	$(LOWEST_VENV)/bin/pytest -q -p no:cacheprovider tests/unit tests/integration
 
 lint: install-dev
 	$(BIN)/ruff check .
@@ -50,7 +69,7 @@ typecheck: install-dev
 check: lint typecheck test
 
 clean:
-	rm -rf $(VENV) dist build .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(LOWEST_VENV) dist build .mypy_cache .ruff_cache .pytest_cache
 
 bench: install-dev  ## benchmarks (not tests): writes bench/results.json
 	$(BIN)/python bench/run.py
