@@ -90,6 +90,7 @@ constraints-check: $(UV)  ## fails when constraints.txt is not what pyproject.to
 	@tmp=$$(mktemp -d) && cp $(CONSTRAINTS) $$tmp/constraints.txt \
 	&& $(UV_COMPILE) --output-file $$tmp/constraints.txt \
 	&& if diff -u $(CONSTRAINTS) $$tmp/constraints.txt; then rm -rf $$tmp; \
+	echo "constraints.txt is what pyproject.toml makes"; \
 	else rm -rf $$tmp; echo "constraints.txt is out of date: run make constraints"; exit 1; fi
 
 clean:
