@@ -1,14 +1,17 @@
 # syntax=docker/dockerfile:1
-# Build stage: build the wheel (which carries sql/ and triggers/) and install it into a venv.
+# Build stage: build the wheel (which carries sql/ and triggers/) and install it into a venv,
+# with the versions constraints.txt pins (the ones CI tested) and no extra: neither the
+# embedded PostgreSQL (`embedded`) nor the test tools (`dev`).
 FROM python:3.11-slim AS build
 WORKDIR /src
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY service ./service
 COPY sql ./sql
 COPY triggers ./triggers
-RUN /opt/venv/bin/pip install --no-compile .
+RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /tmp/dist . \
+    && /opt/venv/bin/pip install --no-compile --constraint constraints.txt /tmp/dist/*.whl
 
 # Runtime stage: the venv only, no build tools, a non-root user.
 FROM python:3.11-slim

@@ -119,7 +119,9 @@ async def test_dev_mode_survives_a_restart_and_a_demo_beside_it(
     dashboard is and how to sign in; a demo beside it takes none of its jobs; a Ctrl-C and a
     new start finish what was admitted (the simulator's held runs are in the database)."""
     port = free_port()
-    env = _env(AQ_DATA_DIR=str(tmp_path / "data"), AQ_PORT=str(port), AQ_SIM_JUDGE_TIME_S="1.5")
+    # Judging outlasts the demo however slow the machine, so the Ctrl-C below finds jobs held;
+    # the second start judges quickly (a restored run's time left follows the new setting).
+    env = _env(AQ_DATA_DIR=str(tmp_path / "data"), AQ_PORT=str(port), AQ_SIM_JUDGE_TIME_S="60")
     base = f"http://127.0.0.1:{port}"
     dev = Proc("dev", _cli("dev"), env, tmp_path)
     procs.append(dev)
@@ -144,7 +146,7 @@ async def test_dev_mode_survives_a_restart_and_a_demo_beside_it(
     # Ctrl-C while two of the three wait behind held runs, then start again.
     assert [j["status"] for j in await _jobs(http, base, token)].count("queued") >= 1
     assert dev.stop(signal.SIGINT) == 0, dev.tail()
-    again = Proc("dev-again", _cli("dev"), env, tmp_path)
+    again = Proc("dev-again", _cli("dev"), {**env, "AQ_SIM_JUDGE_TIME_S": "1.5"}, tmp_path)
     procs.append(again)
     await _ready(http, base, again, timeout_s=90)
 

@@ -22,6 +22,7 @@ from analysis_queue.store.database import Database
 from support import JWT_SECRET, Harness, Instance, fetch, fetchval, thesis_body, wait_for
 
 WAIT_S = 10.0
+SSE_READ_BUFSIZE = 1024 * 1024  # lines (events) up to 2 MiB
 
 
 # -- a small SSE client ---------------------------------------------------------------------
@@ -73,8 +74,13 @@ class SseClient:
             headers.update(h.auth(user))
         if last_event_id is not None:
             headers["Last-Event-ID"] = str(last_event_id)
+        # An event carrying a big job is one long `data:` line; the client's line limit is
+        # twice its read buffer, whose default changed across aiohttp releases: say it.
         response = await h.http.get(
-            f"{instance.base_url}/v1/events", headers=headers, params=params
+            f"{instance.base_url}/v1/events",
+            headers=headers,
+            params=params,
+            read_bufsize=SSE_READ_BUFSIZE,
         )
         assert response.status == 200, await response.text()
         assert response.headers["Content-Type"].startswith("text/event-stream")

