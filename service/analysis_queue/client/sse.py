@@ -32,17 +32,25 @@ class SseParser:
         self._data_bytes = 0
         self._event = ""
         self._started = False
+        # The last chunk ended in a CR: an LF that starts the next one belongs to it (CRLF).
+        self._after_cr = False
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
         """The events that ``chunk`` completes, in order."""
+        if not chunk:
+            return []
         buf = self._buffer + chunk if self._buffer else chunk
         events: list[SseEvent] = []
         pos = 0
+        if self._after_cr and buf[:1] == b"\n":
+            pos = 1  # the LF of a CRLF that the last chunk ended inside
+        self._after_cr = False
         while True:
             found = self._line_end(buf, pos)
             if found is None:
                 break
             end, skip = found
+            self._after_cr = end + skip == len(buf) and buf[end : end + 1] == b"\r"
             event = self._line(self._decode(buf[pos:end]))
             if event is not None:
                 events.append(event)
@@ -62,8 +70,6 @@ class SseParser:
         if cr == -1 and lf == -1:
             return None
         if cr != -1 and (lf == -1 or cr < lf):
-            if cr == len(buf) - 1:
-                return None  # a CR at the end: the LF of a CRLF may be in the next chunk
             return cr, 2 if buf[cr + 1 : cr + 2] == b"\n" else 1
         return lf, 1
 
