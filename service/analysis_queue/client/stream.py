@@ -128,25 +128,32 @@ class EventStream:
                 if isinstance(exc, ConnectionFailed) and not exc.transient:
                     raise
                 reason = exc
-            now = time.monotonic()
             if opened:
-                down_since = now
+                down_since = time.monotonic()
             else:
                 failures += 1
-                self._give_up_if_down_too_long(reason, now - down_since)
-            await self._wait_before_reconnect(failures, reason)
+            delay = self._reconnect_wait(failures, reason)
+            if not opened:
+                self._give_up_if_down_too_long(reason, time.monotonic() - down_since + delay)
+            self._log_reconnect(failures, reason, delay)
+            await _sleep(delay)
 
     def _give_up_if_down_too_long(self, reason: BaseException | str, down_s: float) -> None:
+        """Raise the last error when the next try would come ``give_up_after_s`` or more after
+        the stream went down (like ``stop_before_delay``: no wait past the budget)."""
         limit = self.settings.give_up_after_s
         if limit is not None and down_s >= limit and isinstance(reason, AnalysisQueueError):
             raise reason
 
-    async def _wait_before_reconnect(self, failures: int, reason: BaseException | str) -> None:
+    def _reconnect_wait(self, failures: int, reason: BaseException | str) -> float:
         window = min(self.settings.reconnect_max_s, self._retry_s * 2 ** min(failures, 16))
         delay = random.uniform(0, window)
         retry_after = getattr(reason, "retry_after_s", None)
         if isinstance(retry_after, int | float):
             delay = max(delay, float(retry_after))
+        return delay
+
+    def _log_reconnect(self, failures: int, reason: BaseException | str, delay: float) -> None:
         if isinstance(reason, _Gap):
             self.gaps += 1
         log.info(
@@ -160,7 +167,6 @@ class EventStream:
                 "wait_s": round(delay, 3),
             },
         )
-        await _sleep(delay)
 
     @contextlib.asynccontextmanager
     async def _open(self) -> AsyncIterator[aiohttp.ClientResponse]:

@@ -7,6 +7,7 @@ stream (``stream.py``) talk through it.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -161,6 +162,9 @@ class Transport:
     ) -> tuple[M, CIMultiDictProxy[str]]:
         session = await self.session()
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        if payload is not None:
+            headers = {"Content-Type": "application/json", **headers}
 
         async def send(token: str) -> tuple[bytes, CIMultiDictProxy[str]]:
             try:
@@ -168,7 +172,8 @@ class Transport:
                     method,
                     self.base_url + path,
                     params=params,
-                    json=body,
+                    # A stream, not bytes: aiohttp warns about large bodies sent as bytes.
+                    data=None if payload is None else io.BytesIO(payload),
                     headers=self.headers(token, request_id, headers),
                     timeout=timeout,
                 ) as resp:
