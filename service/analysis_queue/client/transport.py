@@ -162,7 +162,13 @@ class Transport:
     ) -> tuple[M, CIMultiDictProxy[str]]:
         session = await self.session()
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        # UTF-8 as the service measures it (a string that is no Unicode, a lone surrogate,
+        # raises UnicodeEncodeError here, before anything is sent).
+        payload = (
+            None
+            if body is None
+            else json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        )
         if payload is not None:
             headers = {"Content-Type": "application/json", **headers}
 
