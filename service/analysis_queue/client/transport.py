@@ -33,6 +33,7 @@ T = TypeVar("T")
 
 JSON_TYPES = ("application/json", "application/problem+json")
 EVENT_STREAM = "text/event-stream"
+LARGE_BODY_BYTES = 1 << 20  # aiohttp's TOO_LARGE_BYTES_BODY
 
 
 def _version() -> str:
@@ -64,6 +65,14 @@ async def error_of(resp: aiohttp.ClientResponse) -> ProblemError:
         with contextlib.suppress(ValueError):
             body = json.loads(raw)
     return problem_from_answer(resp.status, resp.reason, body, resp.headers)
+
+
+def _data(payload: bytes | None) -> bytes | io.BytesIO | None:
+    """A body as aiohttp sends it best: bytes, or a stream past the size at which aiohttp warns
+    that bytes could block the loop (bodies that large are refused, but are sent)."""
+    if payload is None or len(payload) < LARGE_BODY_BYTES:
+        return payload
+    return io.BytesIO(payload)
 
 
 class Transport:
@@ -178,8 +187,7 @@ class Transport:
                     method,
                     self.base_url + path,
                     params=params,
-                    # A stream, not bytes: aiohttp warns about large bodies sent as bytes.
-                    data=None if payload is None else io.BytesIO(payload),
+                    data=_data(payload),
                     headers=self.headers(token, request_id, headers),
                     timeout=timeout,
                 ) as resp:
