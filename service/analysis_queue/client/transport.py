@@ -34,6 +34,11 @@ T = TypeVar("T")
 JSON_TYPES = ("application/json", "application/problem+json")
 EVENT_STREAM = "text/event-stream"
 LARGE_BODY_BYTES = 1 << 20  # aiohttp's TOO_LARGE_BYTES_BODY
+# An idle pooled connection is dropped after this: below the service's AQ_KEEPALIVE_TIMEOUT_S
+# (15 s), so that a request is not sent on a connection the service is closing at that moment
+# (a POST without a key could not be retried).
+KEEPALIVE_S = 10.0
+ERROR_BODY_MAX_BYTES = 64 * 1024
 
 
 def _version() -> str:
@@ -49,7 +54,7 @@ USER_AGENT = f"analysis-queue-client/{_version()} aiohttp/{aiohttp.__version__}"
 def connection_failed(exc: BaseException, action: str) -> ConnectionFailed:
     """An aiohttp or timeout error as the client's: whether the request may have been sent,
     and whether another try can help (a certificate will not change)."""
-    if isinstance(exc, aiohttp.ClientSSLError):
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
         return ConnectionFailed(f"{action}: TLS failed: {exc}", sent=False, transient=False)
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
         return ConnectionFailed(f"{action}: could not connect: {exc}", sent=False)
@@ -59,7 +64,14 @@ def connection_failed(exc: BaseException, action: str) -> ConnectionFailed:
 
 
 async def error_of(resp: aiohttp.ClientResponse) -> ProblemError:
-    raw = await resp.read()
+    """The client's error for a non-2xx answer; of its body (a problem document, or a proxy's
+    page) at most ERROR_BODY_MAX_BYTES are read."""
+    raw = b""
+    while len(raw) < ERROR_BODY_MAX_BYTES:
+        chunk = await resp.content.read(ERROR_BODY_MAX_BYTES - len(raw))
+        if not chunk:
+            break
+        raw += chunk
     body: Any = raw.decode("utf-8", errors="replace")
     if resp.content_type in JSON_TYPES:
         with contextlib.suppress(ValueError):
@@ -93,15 +105,22 @@ class Transport:
         self._token = token
         self._session = session
         self._owns_session = session is None
+        self._closed = False
 
     async def session(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RuntimeError("the client is closed")
         if self._session is None or self._session.closed:
             if not self._owns_session:
                 raise RuntimeError("the aiohttp session given to the client is closed")
-            self._session = aiohttp.ClientSession(headers={"User-Agent": USER_AGENT})
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
+                headers={"User-Agent": USER_AGENT},
+            )
         return self._session
 
     async def close(self) -> None:
+        self._closed = True
         session, self._session = self._session, None
         if self._owns_session and session is not None:
             await session.close()
