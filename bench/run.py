@@ -6,6 +6,10 @@ Starts what it needs: PostgreSQL (AQ_BENCH_DATABASE_URL / AQ_TEST_DATABASE_URL s
 embedded one), the service and the Core simulator as real processes (zero judging time), and a
 fresh database per scenario. Prints a table and writes bench/results.json. Times are reported as
 ratios measured in the same run: the machine is shared and noisy. Not a test.
+
+Admits go through the Python client (``analysis_queue.client``) without retries, so each is one
+request, timed and counted as answered; like every admit of that client, each carries an
+Idempotency-Key.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import asyncpg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from analysis_queue.client import NO_RETRIES, AnalysisQueueClient, ProblemError  # noqa: E402
 from analysis_queue.core.client import CoreClient  # noqa: E402
 from analysis_queue.http.auth import mint_token  # noqa: E402
 from analysis_queue.loops.sweep import Sweeper, SweepSettings  # noqa: E402
@@ -260,6 +265,20 @@ def _body(n: int) -> dict[str, Any]:
     }
 
 
+def user_client(base: str, http: aiohttp.ClientSession, user: str) -> AnalysisQueueClient:
+    """``user``'s client on the bench's session, without retries."""
+    token = mint_token(user, SECRETS["AQ_JWT_SECRET"])
+    return AnalysisQueueClient(base, token, session=http, retry=NO_RETRIES)
+
+
+async def admit(aq: AnalysisQueueClient, n: int) -> None:
+    """One admit of ``_body(n)``; a refusal raises ``ProblemError``."""
+    body = _body(n)
+    await aq.start_analysis(
+        body["thesis"]["title"], body["thesis"]["document_url"], body["sources"]
+    )
+
+
 async def raw_ceiling(dsn: str, users: list[str], duration_s: float) -> dict[str, Any]:
     pool = await asyncpg.create_pool(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY)
     thesis = json.dumps(_body(0)["thesis"])
@@ -282,18 +301,15 @@ async def raw_ceiling(dsn: str, users: list[str], duration_s: float) -> dict[str
 async def http_admits(
     base: str, http: aiohttp.ClientSession, users: list[str], duration_s: float
 ) -> dict[str, Any]:
-    tokens = {
-        u: {"Authorization": f"Bearer {mint_token(u, SECRETS['AQ_JWT_SECRET'])}"} for u in users
-    }
+    clients = {u: user_client(base, http, u) for u in users}
     errors = 0
 
     async def op(w: int) -> None:
         nonlocal errors
-        user = random.choice(users)
-        async with http.post(f"{base}/v1/analyses", json=_body(w), headers=tokens[user]) as r:
-            await r.read()
-            if r.status != 201:
-                errors += 1
+        try:
+            await admit(clients[random.choice(users)], w)
+        except ProblemError:
+            errors += 1
 
     n, lat, wall = await closed_loop(duration_s, CONCURRENCY, op)
     return {
@@ -355,10 +371,9 @@ async def _admit_chain(
     its pool is open and warm when the measurement starts)."""
 
     async def one_user(u: str) -> None:
-        auth = {"Authorization": f"Bearer {mint_token(u, SECRETS['AQ_JWT_SECRET'])}"}
+        aq = user_client(base, http, u)
         for n in range(per_user):
-            async with http.post(f"{base}/v1/analyses", json=_body(n), headers=auth) as r:
-                assert r.status == 201, await r.text()
+            await admit(aq, n)
 
     await asyncio.gather(*(one_user(u) for u in users))
 
@@ -494,10 +509,7 @@ async def bench_drain(
         await grant_all(dsn, users, per_user)
         env = {"GLOBAL_MAX_RUNNING": str(ceiling)}
         async with running_stack(dsn, tmp, http, **env) as (base, _sim, svc):
-            tokens = {
-                u: {"Authorization": f"Bearer {mint_token(u, SECRETS['AQ_JWT_SECRET'])}"}
-                for u in users
-            }
+            clients = {u: user_client(base, http, u) for u in users}
             work = [(u, n) for n in range(per_user) for u in users]
             cursor = 0
             import psutil
@@ -524,11 +536,7 @@ async def bench_drain(
                 while cursor < len(work):
                     u, n = work[cursor]
                     cursor += 1
-                    async with http.post(
-                        f"{base}/v1/analyses", json=_body(n), headers=tokens[u]
-                    ) as r:
-                        await r.read()
-                        assert r.status == 201, r.status
+                    await admit(clients[u], n)
 
             await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
             admitted_s = time.perf_counter() - started

@@ -1,9 +1,11 @@
-"""Test support: real service instances in-process, a shared Core simulator, an HTTP client."""
+"""Test support: real service instances in-process, a shared Core simulator, and the service's
+own Python client (``analysis_queue.client``) for the calls a test makes along the way."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import socket
 import time
 import uuid
@@ -17,12 +19,14 @@ import aiohttp
 import asyncpg
 from aiohttp import web
 from analysis_queue.app import build_app, start_site
+from analysis_queue.client import NO_RETRIES, AdminClient, AnalysisQueueClient, ProblemError
 from analysis_queue.config import Settings
 from analysis_queue.core.sim import CoreSimulator
 from analysis_queue.http.auth import mint_token
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.models import Job, JobStatus
 
+_JOB_PATH = re.compile(r"/v1/analyses/([0-9a-fA-F-]{36})")
 JWT_SECRET = "test-jwt-secret-0123456789abcdef0123"
 ADMIN_TOKEN = "test-admin-token"
 CALLBACK_SECRET = "test-callback-secret"
@@ -165,17 +169,26 @@ class Harness:
     def auth(self, user: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {mint_token(user, JWT_SECRET)}"}
 
+    def client(self, user: str, instance: Instance | None = None) -> AnalysisQueueClient:
+        """``user``'s client of ``instance`` (the first by default), on the harness's session.
+        Without retries: a test sees each answer the service gave."""
+        target = instance or self.instances[0]
+        return AnalysisQueueClient(
+            target.base_url, mint_token(user, JWT_SECRET), session=self.http, retry=NO_RETRIES
+        )
+
+    def admin_client(self) -> AdminClient:
+        return AdminClient(
+            self.instances[0].base_url, ADMIN_TOKEN, session=self.http, retry=NO_RETRIES
+        )
+
     async def grant(self, user: str, amount: int) -> None:
-        url = f"{self.instances[0].base_url}/v1/admin/credits"
-        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        async with self.http.post(
-            url, json={"user_id": user, "amount": amount}, headers=headers
-        ) as r:
-            assert r.status == 200, await r.text()
+        await self.admin_client().grant_credits(user, amount)
 
     async def admin(
         self, method: str, path: str, body: dict[str, Any] | None = None
     ) -> tuple[int, Any]:
+        """An admin call by hand, for tests of the admin routes' answers themselves."""
         headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         async with self.http.request(
             method, f"{self.instances[0].base_url}{path}", json=body, headers=headers
@@ -183,10 +196,7 @@ class Harness:
             return r.status, await r.json(content_type=None)
 
     async def set_limit(self, user: str, max_running: int | None) -> None:
-        status, body = await self.admin(
-            "PUT", f"/v1/admin/users/{user}/limit", {"max_running": max_running}
-        )
-        assert status == 200, body
+        await self.admin_client().set_user_limit(user, max_running)
 
     async def admit(
         self,
@@ -197,15 +207,40 @@ class Harness:
         body: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, Any]]:
+        """Admit ``body`` (``thesis_body(n)`` by default) through the client: ``(201, the job
+        as JSON)``, or ``(status, the problem document)`` when it is refused. With ``headers``
+        the request is sent by hand instead, for tests of what the edge makes of them."""
         target = instance or self.instances[0]
-        async with self.http.post(
-            f"{target.base_url}/v1/analyses",
-            json=body or thesis_body(n),
-            headers={**self.auth(user), **(headers or {})},
-        ) as r:
-            return r.status, await r.json(content_type=None)
+        body = body or thesis_body(n)
+        if headers is not None:
+            async with self.http.post(
+                f"{target.base_url}/v1/analyses",
+                json=body,
+                headers={**self.auth(user), **headers},
+            ) as r:
+                return r.status, await r.json(content_type=None)
+        thesis = body["thesis"]
+        try:
+            job = await self.client(user, target).start_analysis(
+                thesis["title"], thesis["document_url"], body["sources"]
+            )
+        except ProblemError as exc:
+            return exc.status, exc.problem.model_dump(mode="json", exclude_unset=True)
+        return 201, job.model_dump(mode="json")
 
     async def get(self, user: str, path: str) -> tuple[int, Any]:
+        """GET ``path`` as ``user``: ``(status, the JSON answer)``. A job and the balance are
+        read through the client; anything else (a page and its query, say) by hand, for tests
+        of the answer itself."""
+        aq = self.client(user)
+        job = _JOB_PATH.fullmatch(path)
+        try:
+            if job is not None:
+                return 200, (await aq.get_analysis(job[1])).model_dump(mode="json")
+            if path == "/v1/credits":
+                return 200, {"balance": await aq.credits()}
+        except ProblemError as exc:
+            return exc.status, exc.problem.model_dump(mode="json", exclude_unset=True)
         async with self.http.get(
             f"{self.instances[0].base_url}{path}", headers=self.auth(user)
         ) as r:

@@ -1,5 +1,6 @@
 """The package's shape: imports point one way, from HTTP and the loops down to the queue's
-decisions and the database, with no cycle; only ``store`` talks to the database driver."""
+decisions and the database, with no cycle; only ``store`` talks to the database driver; the
+client is a layer of its own that imports nothing else of the package."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "service" / "analysis_queue"
 # Each layer may import itself and the layers listed before it. The composition root (app, cli,
-# demo) may import anything.
+# demo) may import anything. The client (``client``) stands apart: it imports nothing else of
+# the package, and only the composition root imports it (test_the_client_stands_apart).
 LAYERS = [
+    {"client"},
     {"errors", "models", "metrics", "logs", "config"},
     {"store", "core"},
     {"queue"},
@@ -117,3 +120,24 @@ def test_only_the_store_imports_the_database_driver() -> None:
         )
     )
     assert users and all(name.startswith("store/") for name in users), users
+
+
+def test_the_client_stands_apart() -> None:
+    """Users install the package for the client: it must not need the server's modules, and
+    the server's modules must not need it (only the composition root, the demo, uses it)."""
+    graph = _graph()
+    client = {m for m in graph if m.split(".")[1:2] == ["client"]}
+    assert "analysis_queue.client.api" in client
+    outside = sorted(
+        (module, target)
+        for module in client
+        for target in graph[module]
+        if target not in client and target != "analysis_queue"
+    )
+    assert outside == []
+    users = sorted(
+        module
+        for module, targets in graph.items()
+        if module not in client and targets & client and _layer(module) != len(LAYERS) - 1
+    )
+    assert users == []
