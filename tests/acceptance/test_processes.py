@@ -55,7 +55,11 @@ class Proc:
         return self.popen.returncode
 
     def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
+        """The end of the log, after every error line (a failed initdb logs its output there,
+        long before the traceback the end shows)."""
+        text = self.log_path.read_text(errors="replace")
+        errors = [line[:2000] for line in text.splitlines() if '"level":"error"' in line]
+        return "\n".join([*errors[-5:], text[-3000:]])
 
 
 @pytest.fixture
