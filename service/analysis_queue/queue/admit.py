@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 from uuid import UUID
 
 import orjson
@@ -45,7 +45,7 @@ from analysis_queue.models import (
     WaitReason,
 )
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
-from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout
+from analysis_queue.queue.group_commit import GroupCommit, in_batch
 from analysis_queue.store.database import Claim, Database
 
 log = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ class Admitter:
         return Admitted(job, created=True)
 
     async def _reserve(self, request: ReserveRequest) -> Reservation:
-        batched = await _in_batch(self._reservations, request, "reserve", self._wait_s)
+        batched = await in_batch(self._reservations, request, "reserve", self._wait_s)
         if batched is not None and batched.result is not None:
             return batched.result
         return await self.db.reserve(
@@ -269,7 +269,7 @@ class Admitter:
     async def _admit_now(self, request: AdmitRequest) -> Admission:
         """The admit of one click: in the next batch, or alone when the batch cannot decide
         it. Raises what ``Database.admit`` raises for the click's own refusals."""
-        batched = await _in_batch(self._admissions, request, "admit", self._wait_s)
+        batched = await in_batch(self._admissions, request, "admit", self._wait_s)
         if batched is not None:
             if batched.outcome is BatchOutcome.INSUFFICIENT_CREDITS:
                 raise errors.InsufficientCredits()
@@ -309,29 +309,3 @@ class Admitter:
             await self.db.set_reservation_core_run(run_id, core_run_id)
             return
         await self.db.release_reservation(run_id)
-
-
-R = TypeVar("R")
-Q = TypeVar("Q", ReserveRequest, AdmitRequest)
-
-
-async def _in_batch(
-    group: GroupCommit[Q, Batched[R]], request: Q, what: str, wait_s: float
-) -> Batched[R] | None:
-    """``request``'s answer from its batch; None when it must be decided alone: its user was
-    busy, or the batch failed for a reason that is not this click's (a retry alone then either
-    succeeds or fails with the click's own error). A database that is unavailable is everyone's
-    answer: no retry. A click waits for a place in a batch as long as it would for a pooled
-    connection (``wait_s``), then it is a 503 too, with nothing written for it."""
-    try:
-        batched = await group.submit(request, queue_timeout_s=wait_s)
-    except QueueTimeout as exc:
-        raise errors.DatabaseUnavailable() from exc
-    except errors.DatabaseUnavailable:
-        raise
-    except Exception:
-        log.exception("group commit failed; deciding alone", extra={"action": what})
-        return None
-    if batched is None or batched.outcome is BatchOutcome.BUSY:
-        return None
-    return batched

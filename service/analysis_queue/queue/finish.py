@@ -37,7 +37,7 @@ from analysis_queue.models import (
     StaleReservation,
 )
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
-from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout
+from analysis_queue.queue.group_commit import GroupCommit, in_batch
 from analysis_queue.store.database import Claim, Database
 
 log = logging.getLogger(__name__)
@@ -143,17 +143,7 @@ class Finisher:
         """Finish the job of a completed run: in the next batch, or alone when the batch cannot
         (its user busy elsewhere, or the batch failed for a reason of its own). None: no job has
         that run."""
-        try:
-            batched = await self._completions.submit(
-                request, queue_timeout_s=self.db.timeouts.acquire_s
-            )
-        except QueueTimeout as exc:
-            raise errors.DatabaseUnavailable() from exc
-        except errors.DatabaseUnavailable:
-            raise
-        except Exception:
-            log.exception("group commit failed; finishing alone", extra={"action": "complete"})
-            batched = None
+        batched = await in_batch(self._completions, request, "complete", self.db.timeouts.acquire_s)
         if batched is not None and batched.outcome is BatchOutcome.UNKNOWN:
             return None
         if batched is not None and batched.result is not None:

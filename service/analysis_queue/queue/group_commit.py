@@ -21,6 +21,9 @@ import logging
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import Generic, TypeVar
 
+from analysis_queue import errors
+from analysis_queue.models import Batched, BatchOutcome
+
 log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
@@ -112,3 +115,28 @@ class GroupCommit(Generic[K, V]):
         """Wait until nothing is being written (shutdown: no statement outlives its owner)."""
         while self._flusher is not None:
             await asyncio.wait({self._flusher})
+
+
+R = TypeVar("R")
+
+
+async def in_batch(
+    group: GroupCommit[K, Batched[R]], request: K, what: str, wait_s: float
+) -> Batched[R] | None:
+    """``request``'s answer from its batch; None when it must be decided alone: its user was
+    busy, or the batch failed for a reason that is not this request's (a retry alone then
+    either succeeds or fails with the request's own error). A database that is unavailable is
+    everyone's answer: no retry. A request waits for a place in a batch as long as it would for
+    a pooled connection (``wait_s``), then it is a 503 too, with nothing written for it."""
+    try:
+        batched = await group.submit(request, queue_timeout_s=wait_s)
+    except QueueTimeout as exc:
+        raise errors.DatabaseUnavailable() from exc
+    except errors.DatabaseUnavailable:
+        raise
+    except Exception:
+        log.exception("group commit failed; deciding alone", extra={"action": what})
+        return None
+    if batched is None or batched.outcome is BatchOutcome.BUSY:
+        return None
+    return batched
