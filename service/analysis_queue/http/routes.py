@@ -180,13 +180,10 @@ async def get_analysis(request: web.Request) -> web.Response:
 
 @routes.delete("/v1/analyses/{job_id}")
 async def delete_analysis(request: web.Request) -> web.Response:
-    """Soft delete. A queued job is cancelled and refunded, then its held run cancelled in Core.
-    A pending or running job is cancelled in Core *first*: its slot (the user's, and the
-    provider's when the ceiling is on) frees only after Core stopped the run, so a job promoted
-    into the slot never judges beside it. If Core cannot be told, the answer is 503 and the job
-    goes on."""
+    """Soft delete, cancelling the job first if it has not ended (the cancel's rules are
+    ``Finisher._end``'s): a finished job is only hidden."""
     user_id = _user(request)  # 401 before anything else is looked at
-    result = await _services(request).finisher.cancel(_job_id(request), user_id)
+    result = await _services(request).finisher.delete(_job_id(request), user_id)
     return json_response(result.job.to_json())
 
 
