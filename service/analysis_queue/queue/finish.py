@@ -184,6 +184,19 @@ class Finisher:
             self._followed(result)
         return result
 
+    async def cancel(self, job_id: UUID, user_id: str) -> Finish:
+        """A user's cancel (``POST .../cancel``): the job ends ``cancelled`` and stays listed.
+
+        The rules of :meth:`_end`. Cancelling a cancelled job is the job as it is; one that
+        succeeded or failed has nothing to cancel (``Conflict``)."""
+        result = await self._end(job_id, user_id, delete=False)
+        status = result.job.status
+        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED):
+            raise errors.Conflict(f"The analysis already {status}: there is nothing to cancel.")
+        if status is not JobStatus.CANCELLED:
+            raise errors.Conflict()  # still open, yet Core holds no run of it to cancel
+        return result
+
     async def delete(self, job_id: UUID, user_id: str) -> Finish:
         """A user's delete (DELETE): soft-delete the job, cancelling it (:meth:`_end`) if it has
         not ended."""
