@@ -503,6 +503,30 @@ async def _finish_in_core(h: Harness, job_id: str, **body: Any) -> None:
         assert r.status == 200, await r.text()
 
 
+async def test_delete_of_a_finished_job_only_hides_it_and_asks_core_nothing(
+    harness: Harness,
+) -> None:
+    h = harness
+    await _quiet_instance(h)
+    await h.grant("u", 1)
+    job_id = (await _admit_ok(h, "u", 1))["id"]
+    await wait_for(_status_is(h, job_id, "succeeded"), what="job succeeded")
+    money = await _money(h, "u")
+    await h.sim.go_offline()  # a call to Core would fail, or wait out its retries
+    try:
+        deleted = await _call(h, "DELETE", f"/v1/analyses/{job_id}", user="u")
+    finally:
+        await h.sim.go_online()
+
+    assert (deleted.status, deleted.body["status"]) == (200, "succeeded"), deleted
+    _assert_problem(await _call(h, "GET", f"/v1/analyses/{job_id}", user="u"), 404, "not_found")
+    # Nothing left for the sweep to cancel in Core: the run had ended.
+    assert await _count(h, "SELECT count(*) FROM core_run_reservations") == 0
+    assert _sim_run(h, await _core_run_id(h, job_id))["state"] == "completed"
+    assert await _money(h, "u") == money
+    await check_invariants(h.database_url)
+
+
 async def _listed(h: Harness, user: str) -> list[tuple[str, str]]:
     listing = await _call(h, "GET", "/v1/analyses", user=user)
     assert listing.status == 200, listing

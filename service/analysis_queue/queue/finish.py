@@ -218,8 +218,9 @@ class Finisher:
             await self.core.cancel(job.core_run_id)  # CoreUnavailable: the job goes on
             result = await self._cancel(job_id, user_id, tuple(ACTIVE_STATUSES), delete=delete)
             assert result is not None  # jobs are never hard-deleted
-        elif result.changed and job.core_run_id:
-            # A held run: Core judges nothing, so its cancel may come after the commit.
+        elif result.changed and job.core_run_id and result.old_status is JobStatus.QUEUED:
+            # A held run: Core judges nothing, so its cancel may come after the commit. (A
+            # delete that only hid a finished job has no run left to cancel.)
             try:
                 await self.core.cancel(job.core_run_id)
             except errors.AppError:
