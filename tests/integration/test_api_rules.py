@@ -1,5 +1,5 @@
-"""The API's rules through HTTP: refusals at admit, concurrency, idempotency, deletes, ownership,
-Core callbacks, delta re-checks and Core-reported failures."""
+"""The API's rules through HTTP: refusals at admit, concurrency, idempotency, deletes, cancels,
+ownership, Core callbacks, delta re-checks and Core-reported failures."""
 
 from __future__ import annotations
 
@@ -496,6 +496,150 @@ async def test_delete_cancels_refunds_hides_and_frees_the_slot(harness: Harness)
     await check_invariants(h.database_url)
 
 
+async def _finish_in_core(h: Harness, job_id: str, **body: Any) -> None:
+    async with h.http.post(
+        f"{h.sim.base_url}/_sim/runs/{await _core_run_id(h, job_id)}/finish", json=body
+    ) as r:
+        assert r.status == 200, await r.text()
+
+
+async def test_delete_of_a_finished_job_only_hides_it_and_asks_core_nothing(
+    harness: Harness,
+) -> None:
+    h = harness
+    await _quiet_instance(h)
+    await h.grant("u", 1)
+    job_id = (await _admit_ok(h, "u", 1))["id"]
+    await wait_for(_status_is(h, job_id, "succeeded"), what="job succeeded")
+    money = await _money(h, "u")
+    await h.sim.go_offline()  # a call to Core would fail, or wait out its retries
+    try:
+        deleted = await _call(h, "DELETE", f"/v1/analyses/{job_id}", user="u")
+    finally:
+        await h.sim.go_online()
+
+    assert (deleted.status, deleted.body["status"]) == (200, "succeeded"), deleted
+    _assert_problem(await _call(h, "GET", f"/v1/analyses/{job_id}", user="u"), 404, "not_found")
+    # Nothing left for the sweep to cancel in Core: the run had ended.
+    assert await _count(h, "SELECT count(*) FROM core_run_reservations") == 0
+    assert _sim_run(h, await _core_run_id(h, job_id))["state"] == "completed"
+    assert await _money(h, "u") == money
+    await check_invariants(h.database_url)
+
+
+async def _listed(h: Harness, user: str) -> list[tuple[str, str]]:
+    listing = await _call(h, "GET", "/v1/analyses", user=user)
+    assert listing.status == 200, listing
+    return [(j["id"], j["status"]) for j in listing.body["analyses"]]
+
+
+def _assert_cancelled_by_user(reply: Reply, job_id: str) -> None:
+    assert reply.status == 200, reply
+    assert (reply.body["id"], reply.body["status"]) == (job_id, "cancelled"), reply
+    assert reply.body["error"]["code"] == "cancelled_by_user", reply
+
+
+async def test_cancel_cancels_refunds_and_keeps_the_job_listed(harness: Harness) -> None:
+    h = harness
+    h.sim.judge_time_s = SLOW_JUDGE_S
+    await _quiet_instance(h)
+    await h.grant("u", 3)
+    await h.grant("other", 1)
+    j1, j2, j3 = [(await _admit_ok(h, "u", n))["id"] for n in range(3)]
+    await wait_for(_status_is(h, j1, "running"), what="first job running")
+    assert (await _money(h, "u"))[0] == 0
+
+    # A queued job: cancelled, refunded, its held run cancelled in Core; it stays listed.
+    cancelled = await _call(h, "POST", f"/v1/analyses/{j2}/cancel", user="u")
+
+    _assert_cancelled_by_user(cancelled, j2)
+    assert cancelled.body["queue_position"] is None and cancelled.body["started_at"] is None
+    balance, ledger = await _money(h, "u")
+    assert balance == 1
+    assert [(k, a) for k, a, job in ledger if str(job) == j2] == [("debit", 1), ("refund", 1)]
+    _assert_cancelled_by_user(await _call(h, "GET", f"/v1/analyses/{j2}", user="u"), j2)
+    assert await _listed(h, "u") == [(j3, "queued"), (j2, "cancelled"), (j1, "running")]
+    assert _sim_run(h, await _core_run_id(h, j2))["state"] == "cancelled"
+    third = await _call(h, "GET", f"/v1/analyses/{j3}", user="u")
+    assert (third.body["status"], third.body["queue_position"]) == ("queued", 1)
+    assert await _count(h, "SELECT count(*) FROM analysis_jobs WHERE deleted_at IS NOT NULL") == 0
+
+    # Twice: the job as it is, nothing refunded twice.
+    again = await _call(h, "POST", f"/v1/analyses/{j2}/cancel", user="u")
+    _assert_cancelled_by_user(again, j2)
+    assert again.body == cancelled.body
+    assert await _money(h, "u") == (balance, ledger)
+
+    # Another user's job: 404, nothing changes.
+    _assert_problem(
+        await _call(h, "POST", f"/v1/analyses/{j1}/cancel", user="other"), 404, "not_found"
+    )
+    assert await _status(h, j1) == "running"
+    assert _sim_run(h, await _core_run_id(h, j1))["state"] == "judging"
+
+    # The running job while Core cannot be told: 503, and it goes on holding its slot.
+    await h.sim.go_offline()
+    try:
+        refused = await _call(h, "POST", f"/v1/analyses/{j1}/cancel", user="u")
+    finally:
+        await h.sim.go_online()
+    _assert_problem(refused, 503, "core_unavailable")
+    assert refused.headers.get("Retry-After"), refused.headers
+    assert await _status(h, j1) == "running"
+    assert await _status(h, j3) == "queued"
+    assert _sim_run(h, await _core_run_id(h, j1))["state"] == "judging"
+
+    # Told Core, then cancelled: no refund (it ran), the next queued job takes the slot.
+    cancelled = await _call(h, "POST", f"/v1/analyses/{j1}/cancel", user="u")
+
+    _assert_cancelled_by_user(cancelled, j1)
+    assert _sim_run(h, await _core_run_id(h, j1))["state"] == "cancelled"
+    await wait_for(_status_is(h, j3, "running"), what="next queued job running")
+    assert _sim_run(h, await _core_run_id(h, j3))["state"] == "judging"
+    balance, ledger = await _money(h, "u")
+    assert balance == 1
+    assert [(k, a) for k, a, job in ledger if str(job) == j1] == [("debit", 1)]
+    assert await _listed(h, "u") == [(j3, "running"), (j2, "cancelled"), (j1, "cancelled")]
+
+    # A finished job has nothing to cancel: 409, and it stays as it ended.
+    await _finish_in_core(h, j3)
+    await wait_for(_status_is(h, j3, "succeeded"), what="third job succeeded")
+    _assert_problem(await _call(h, "POST", f"/v1/analyses/{j3}/cancel", user="u"), 409, "conflict")
+    assert await _status(h, j3) == "succeeded"
+    assert (await _money(h, "u"))[0] == 1
+
+    # A deleted job is gone for a cancel too; DELETE of a cancelled job only hides it.
+    deleted = await _call(h, "DELETE", f"/v1/analyses/{j2}", user="u")
+    assert (deleted.status, deleted.body["status"]) == (200, "cancelled"), deleted
+    _assert_problem(await _call(h, "POST", f"/v1/analyses/{j2}/cancel", user="u"), 404, "not_found")
+    assert await _listed(h, "u") == [(j3, "succeeded"), (j1, "cancelled")]
+    assert (await _money(h, "u"))[0] == 1
+    await assert_fifo_serial(h.database_url)
+    await check_invariants(h.database_url)
+
+
+async def test_cancel_of_a_failed_job_is_a_conflict(harness: Harness) -> None:
+    h = harness
+    h.sim.judge_time_s = SLOW_JUDGE_S
+    await _quiet_instance(h)
+    await h.grant("u", 1)
+    job_id = (await _admit_ok(h, "u", 1))["id"]
+    await wait_for(_status_is(h, job_id, "running"), what="job running")
+    await _finish_in_core(h, job_id, state="failed", error="The document could not be fetched.")
+    await wait_for(_status_is(h, job_id, "failed"), what="job failed")
+    money = await _money(h, "u")
+
+    reply = await _call(h, "POST", f"/v1/analyses/{job_id}/cancel", user="u")
+
+    _assert_problem(reply, 409, "conflict")
+    assert "failed" in reply.body["detail"], reply
+    job = await _call(h, "GET", f"/v1/analyses/{job_id}", user="u")
+    assert (job.body["status"], job.body["error"]["code"]) == ("failed", "analysis_failed")
+    assert await _money(h, "u") == money
+    assert _sim_run(h, await _core_run_id(h, job_id))["state"] == "failed"
+    await check_invariants(h.database_url)
+
+
 # -- 5. ownership -----------------------------------------------------------------------------
 
 
@@ -511,9 +655,11 @@ async def test_other_users_and_non_uuid_ids_are_not_found(harness: Harness) -> N
     for method, path, body in [
         ("GET", f"/v1/analyses/{job_id}", None),
         ("DELETE", f"/v1/analyses/{job_id}", None),
+        ("POST", f"/v1/analyses/{job_id}/cancel", None),
         ("POST", f"/v1/analyses/{job_id}/rechecks", recheck_body),
         ("GET", "/v1/analyses/not-a-uuid", None),
         ("DELETE", "/v1/analyses/not-a-uuid", None),
+        ("POST", "/v1/analyses/not-a-uuid/cancel", None),
         ("POST", "/v1/analyses/not-a-uuid/rechecks", recheck_body),
         ("GET", f"/v1/analyses/{uuid.uuid4()}", None),
     ]:

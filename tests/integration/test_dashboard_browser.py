@@ -1,8 +1,9 @@
 """The dashboard in a real browser (headless Chromium through Playwright): the write-up's
 lecturer submits five theses, sees one running and four queued, and watches the next start
-when the first finishes; then a failure, a cancel, and the credits that follow. They open a
-finished analysis to each source's verdict, start a delta re-check from it, are told in words
-what is wrong with a form, and do all of it on a phone too. The page must get every change from
+when the first finishes; then a failure, a cancel, and the credits that follow; the cancelled
+one stays listed in any browser. They remove a finished analysis, open one to each source's
+verdict, start a delta re-check from it, are told in words what is wrong with a form, and do
+all of it on a phone too. The page must get every change from
 the event stream: it never polls."""
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ async def test_lecturer_submits_five_theses_and_watches_them_run(harness: Harnes
         await expect(page.locator("#credit-balance")).to_have_text("6")
 
         # Cancel the last queued thesis: it leaves the queue, stays in the list as cancelled,
-        # and the credit comes back.
+        # and the credit comes back. A cancel is a POST .../cancel, never a DELETE.
         await page.locator("#queued > li", has_text=titles[4]).get_by_role("button").click()
         await expect(page.locator("#queued > li")).to_have_count(1)
         assert await _positions(page) == [("1", titles[3])]
@@ -257,6 +258,13 @@ async def test_lecturer_submits_five_theses_and_watches_them_run(harness: Harnes
         assert watched.failed == []
         assert watched.problems == []
 
+        cancel_id = await cancelled.get_attribute("data-job-id")
+        cancels = [c for c in calls if c[0] in ("POST", "DELETE") and c[1] != "/v1/analyses"]
+        assert cancels == [("POST", f"/v1/analyses/{cancel_id}/cancel")], cancels
+        # The page keeps nothing of its own about jobs: the service lists the cancelled one.
+        stored = await page.evaluate("() => Object.keys(sessionStorage)")
+        assert stored == ["analysis-queue.token"], stored
+
         # A reload keeps the session, and the cancelled thesis still shows as cancelled.
         await page.reload()
         await expect(page.locator("#connection")).to_have_text("live")
@@ -266,6 +274,98 @@ async def test_lecturer_submits_five_theses_and_watches_them_run(harness: Harnes
         # Leaving the page ends its stream (the browser aborts it): that is no failure.
         aborted = [f for f in watched.failed if "/v1/events?" in f and f.endswith("ERR_ABORTED")]
         assert len(aborted) == 1 and watched.failed == aborted, watched.failed
+        assert watched.problems == []
+
+        # So does another browser that never saw the cancel (a context of its own: no
+        # sessionStorage, no cache), signed in afresh.
+        elsewhere = await _page(browser, DESKTOP)
+        other = elsewhere.page
+        await _sign_in(other, inst.base_url, token)
+        await expect(other.locator("#finished > li")).to_have_count(3)
+        moved = other.locator("#finished > li[data-status=cancelled]")
+        await expect(moved.locator(".title")).to_have_text(titles[4])
+        await expect(moved.locator(".detail")).to_contain_text("Cancelled by you at ")
+        await expect(other.locator("#batch")).to_contain_text("(1 failed, 1 cancelled)")
+        assert elsewhere.failed == [] and elsewhere.problems == []
+        await other.context.close()
+
+
+async def test_a_finished_job_is_removed_from_the_list_on_request(harness: Harness) -> None:
+    """A "Remove" is for finished jobs only, asks first, and is a DELETE: the job leaves this
+    page, and every other, for good."""
+    h = harness
+    h.sim.judge_time_s = 3600
+    inst = await h.start_instance()
+    await h.grant("lecturer", 10)
+    token = mint_token("lecturer", JWT_SECRET)
+
+    async with _chromium() as browser:
+        watched = await _page(browser, DESKTOP)
+        page = watched.page
+        await _sign_in(page, inst.base_url, token)
+        titles = ["Thesis R1: kept", "Thesis R2: removed", "Thesis R3: open"]
+        for n, title in enumerate(titles, start=1):
+            await _submit(page, title, n, SOURCES if n == 1 else None)
+        running = page.locator("#running > li")
+        await expect(running.locator(".title")).to_have_text(titles[0])
+        kept_id = await running.get_attribute("data-job-id")
+        assert kept_id is not None
+        await _finish_in_core(h, kept_id)
+        await expect(running.locator(".title")).to_have_text(titles[1])
+        removed_id = await running.get_attribute("data-job-id")
+        assert removed_id is not None
+        await _finish_in_core(h, removed_id)
+        done = page.locator("#finished > li[data-status=succeeded]")
+        await expect(done).to_have_count(2)
+        await expect(page.locator("#credit-balance")).to_have_text("7")
+
+        # Open jobs cannot be removed, only cancelled.
+        await expect(running.get_by_role("button", name=re.compile("^Remove"))).to_have_count(0)
+        removed = page.locator(f"#finished > li[data-job-id='{removed_id}']")
+        remove = removed.get_by_role("button", name=f"Remove “{titles[1]}” from the list")
+        await expect(remove).to_be_visible()
+
+        # It asks first; said no to, nothing happens.
+        asked: list[str] = []
+
+        async def answer(dialog: Any, accept: bool) -> None:
+            asked.append(dialog.message)
+            await (dialog.accept() if accept else dialog.dismiss())
+
+        page.once("dialog", lambda d: answer(d, False))
+        await remove.click()
+        await expect(removed).to_have_count(1)
+        assert len(asked) == 1 and f"“{titles[1]}”" in asked[0], asked
+        assert not [c for c in watched.calls(inst.base_url) if c[0] == "DELETE"]
+
+        # Said yes to: a DELETE, and the job leaves the list; the keyboard stays in Finished.
+        page.once("dialog", lambda d: answer(d, True))
+        await remove.click()
+        await expect(removed).to_have_count(0)
+        await expect(done).to_have_count(1)
+        await expect(done.locator(".title")).to_have_text(titles[0])
+        await expect(page.locator("#finished-count")).to_have_text("1")
+        await expect(page.locator("#announcer")).to_contain_text(f"“{titles[1]}” was removed.")
+        await expect(page.locator("#finished-title")).to_be_focused()
+        deletes = [c for c in watched.calls(inst.base_url) if c[0] == "DELETE"]
+        assert deletes == [("DELETE", f"/v1/analyses/{removed_id}")], deletes
+        deleted_at = await fetchval(
+            h.database_url, "SELECT deleted_at FROM analysis_jobs WHERE id = $1::uuid", removed_id
+        )
+        assert deleted_at is not None
+        await expect(page.locator("#credit-balance")).to_have_text("7")  # nothing refunded
+        await expect(running.locator(".title")).to_have_text(titles[2])
+
+        # Gone for another browser too.
+        elsewhere = await _page(browser, DESKTOP)
+        await _sign_in(elsewhere.page, inst.base_url, token)
+        await expect(elsewhere.page.locator("#running > li .title")).to_have_text(titles[2])
+        others = elsewhere.page.locator("#finished > li")
+        await expect(others).to_have_count(1)
+        await expect(others.locator(".title")).to_have_text(titles[0])
+        assert elsewhere.failed == [] and elsewhere.problems == []
+        await elsewhere.page.context.close()
+        assert watched.failed == []
         assert watched.problems == []
 
 

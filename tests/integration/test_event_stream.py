@@ -272,6 +272,41 @@ async def test_delete_of_a_queued_job_is_a_deleted_event_and_moves_the_rest(
     assert move.positions == {c["id"]: 1}, "a, not queued, is not in it"
 
 
+async def test_cancel_of_a_queued_job_is_a_cancelled_event_and_the_job_stays(
+    harness: Harness,
+) -> None:
+    h = harness
+    h.sim.judge_time_s = 60
+    inst = await h.start_instance()
+    await h.grant("u", 3)
+    await admitted(h, "u", 1)
+    b = await admitted(h, "u", 2)
+    c = await admitted(h, "u", 3)
+    async with stream(h, inst, "u") as s:
+        await s.until(lambda ev: len(ev) >= 1, what="the snapshot")
+        async with h.http.post(
+            f"{inst.base_url}/v1/analyses/{b['id']}/cancel", headers=h.auth("u")
+        ) as r:
+            assert r.status == 200, await r.text()
+        events = await s.until(
+            lambda ev: has("cancelled", b["id"])(ev) and any(e.type == "position" for e in ev),
+            what="the cancel and c's move",
+        )
+    assert kinds_of(events, b["id"]) == ["cancelled"], "a cancel is no delete"
+    (cancelled,) = [e for e in events if e.type == "cancelled"]
+    assert cancelled.data["job"]["status"] == "cancelled"
+    assert cancelled.data["job"]["error"]["code"] == "cancelled_by_user"
+    (move,) = [e for e in events if e.type == "position"]
+    assert move.positions == {c["id"]: 1}, "a, not queued, is not in it"
+
+    # A new stream's snapshot still lists it, cancelled.
+    async with stream(h, inst, "u") as fresh:
+        (snapshot,) = await fresh.until(lambda ev: len(ev) >= 1, what="the snapshot")
+    assert snapshot.type == "snapshot"
+    listed = {j["id"]: j["status"] for j in snapshot.data["analyses"]}
+    assert listed[b["id"]] == "cancelled" and listed[c["id"]] == "queued"
+
+
 async def _head(h: Harness, user: str) -> int:
     value = await fetchval(
         h.database_url, "SELECT last_id FROM job_event_counters WHERE user_id = $1", user

@@ -110,7 +110,8 @@ class _Fuzzer:
 
     def seed(self) -> str:
         """Known-good calls first, so that job answers are checked against the document with
-        real jobs in them (queued, running, finished with verdicts, re-checked, deleted)."""
+        real jobs in them (queued, running, finished with verdicts, re-checked, cancelled,
+        deleted)."""
         create = self.operations["POST /v1/analyses"]
         created = [
             self.call(create.Case(body=thesis_body(n), media_type="application/json")).json()
@@ -140,6 +141,11 @@ class _Fuzzer:
         assert b"event: snapshot" in events.content, events.content[:300]
         resumed = self.call(self.operations["GET /v1/events"].Case(headers={"Last-Event-ID": "1"}))
         assert b"id: 2\n" in resumed.content and b"event: snapshot" not in resumed.content
+        self.call(
+            self.operations["POST /v1/analyses/{job_id}/cancel"].Case(
+                path_parameters={"job_id": created[1]["id"]}
+            )
+        )
         self.call(
             self.operations["DELETE /v1/analyses/{job_id}"].Case(
                 path_parameters={"job_id": created[2]["id"]}

@@ -507,9 +507,23 @@ OPERATIONS: dict[RouteKey, Operation] = {
         "Soft-delete a job: cancel (and refund) what has not run, cancel a running one in Core",
         {200: "Job"},
         (401, 404, 503),
-        description="A pending or running job is cancelled in Core first: its slot frees only "
-        "once Core stopped the run, and while Core cannot be told the answer is 503 "
-        "core_unavailable and the job goes on.",
+        description="The job leaves `GET /v1/analyses` and the stream's snapshot; one that "
+        "had not ended is cancelled first, as `POST /v1/analyses/{job_id}/cancel` does. A "
+        "pending or running job is cancelled in Core first: its slot frees only once Core "
+        "stopped the run, and while Core cannot be told the answer is 503 core_unavailable and "
+        "the job goes on.",
+        parameters=(_JOB_ID,),
+    ),
+    ("POST", "/v1/analyses/{job_id}/cancel"): Operation(
+        "cancelAnalysis",
+        "Cancel a job and keep it listed: refund what has not run, cancel a running one in Core",
+        {200: "Job"},
+        (401, 404, 409, 503),
+        description="The job ends `cancelled` (error `cancelled_by_user`) and stays in "
+        "`GET /v1/analyses` and the event stream. A pending or running job is cancelled in Core "
+        "first: its slot frees only once Core stopped the run, and while Core cannot be told the "
+        "answer is 503 core_unavailable and the job goes on. Idempotent: a cancelled job is "
+        "answered as it is; a succeeded or failed one is 409 conflict.",
         parameters=(_JOB_ID,),
     ),
     ("POST", "/v1/analyses/{job_id}/rechecks"): Operation(

@@ -180,11 +180,21 @@ async def get_analysis(request: web.Request) -> web.Response:
 
 @routes.delete("/v1/analyses/{job_id}")
 async def delete_analysis(request: web.Request) -> web.Response:
-    """Soft delete. A queued job is cancelled and refunded, then its held run cancelled in Core.
-    A pending or running job is cancelled in Core *first*: its slot (the user's, and the
-    provider's when the ceiling is on) frees only after Core stopped the run, so a job promoted
-    into the slot never judges beside it. If Core cannot be told, the answer is 503 and the job
-    goes on."""
+    """Soft delete: a job that has not ended is cancelled first, by the rules of
+    ``cancel_analysis`` below; a finished one is only hidden."""
+    user_id = _user(request)  # 401 before anything else is looked at
+    result = await _services(request).finisher.delete(_job_id(request), user_id)
+    return json_response(result.job.to_json())
+
+
+@routes.post("/v1/analyses/{job_id}/cancel")
+async def cancel_analysis(request: web.Request) -> web.Response:
+    """Cancel and keep the job listed. A queued job is cancelled and refunded, then its held
+    run cancelled in Core. A pending or running job is cancelled in Core *first*: its slot (the
+    user's, and the provider's when the ceiling is on) frees only after Core stopped the run, so
+    a job promoted into the slot never judges beside it. If Core cannot be told, the answer is
+    503 and the job goes on. A cancelled job is answered as it is; a succeeded or failed one is
+    409."""
     user_id = _user(request)  # 401 before anything else is looked at
     result = await _services(request).finisher.cancel(_job_id(request), user_id)
     return json_response(result.job.to_json())

@@ -1,7 +1,8 @@
 """Finishing a job: Core's completion (a callback or the sweep's poll), a failed release, a run
-Core lost, a user's cancel. Each is one call of ``aq_finish_v2`` (sql/functions/finish.sql),
-which in the same transaction refunds what never reached judging (the rule is
-``aq_refund_if_due_v1`` in sql/functions/credits.sql) and fills the slot the job frees.
+Core lost, a user's cancel or delete. Each is one call of ``aq_finish_v2``
+(sql/functions/finish.sql), which in the same transaction refunds what never reached judging
+(the rule is ``aq_refund_if_due_v1`` in sql/functions/credits.sql) and fills the slot the job
+frees.
 
 Idempotent by construction: the move to a terminal status is a compare-and-set from the statuses
 the caller names, under the user lock, so a duplicate, late or out-of-order report changes
@@ -174,23 +175,42 @@ class Finisher:
         return result
 
     async def cancel(self, job_id: UUID, user_id: str) -> Finish:
-        """A user's cancel (DELETE): soft-delete the job, cancelling it if it has not ended.
+        """A user's cancel (``POST .../cancel``): the job ends ``cancelled`` and stays listed.
+
+        The rules of :meth:`_end`. Cancelling a cancelled job is the job as it is; one that
+        succeeded or failed has nothing to cancel (``Conflict``)."""
+        result = await self._end(job_id, user_id, delete=False)
+        status = result.job.status
+        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED):
+            raise errors.Conflict(f"The analysis already {status}: there is nothing to cancel.")
+        if status is not JobStatus.CANCELLED:
+            raise errors.Conflict()  # still open, yet Core holds no run of it to cancel
+        return result
+
+    async def delete(self, job_id: UUID, user_id: str) -> Finish:
+        """A user's delete (DELETE): soft-delete the job, cancelling it (:meth:`_end`) if it has
+        not ended."""
+        return await self._end(job_id, user_id, delete=True)
+
+    async def _end(self, job_id: UUID, user_id: str, *, delete: bool) -> Finish:
+        """Cancel the job if it has not ended; with ``delete``, soft-delete it too.
 
         A queued job is cancelled and refunded, then its held run cancelled in Core. A pending
         or running job is cancelled in Core *first*: its slot (the user's, and the provider's
         when the ceiling is on) frees only after Core stopped the run, so a job promoted into
         the slot never judges beside it. If Core cannot be told, ``CoreUnavailable`` is raised
         and the job goes on. ``NotFound`` for no such job of this user's, or a deleted one."""
-        result = await self._cancel(job_id, user_id, (JobStatus.QUEUED,))
+        result = await self._cancel(job_id, user_id, (JobStatus.QUEUED,), delete=delete)
         if result is None or (not result.changed and result.job.deleted_at is not None):
             raise errors.NotFound()
         job = result.job
         if not result.changed and job.status in ACTIVE_STATUSES and job.core_run_id:
             await self.core.cancel(job.core_run_id)  # CoreUnavailable: the job goes on
-            result = await self._cancel(job_id, user_id, tuple(ACTIVE_STATUSES))
+            result = await self._cancel(job_id, user_id, tuple(ACTIVE_STATUSES), delete=delete)
             assert result is not None  # jobs are never hard-deleted
-        elif result.changed and job.core_run_id:
-            # A held run: Core judges nothing, so its cancel may come after the commit.
+        elif result.changed and job.core_run_id and result.old_status is JobStatus.QUEUED:
+            # A held run: Core judges nothing, so its cancel may come after the commit. (A
+            # delete that only hid a finished job has no run left to cancel.)
             try:
                 await self.core.cancel(job.core_run_id)
             except errors.AppError:
@@ -200,26 +220,28 @@ class Finisher:
                         job.run_id, job.id, job.user_id, job.core_run_id, job.thesis, job.sources
                     )
                 )
+        action = "delete" if delete else "cancel"
         log.info(
-            "deleted",
+            "deleted" if delete else "cancelled",
             extra={
-                "action": "delete",
+                "action": action,
                 "job_id": str(job_id),
                 "user_id": user_id,
                 "was": result.old_status,
+                "changed": result.changed,
             },
         )
         return result
 
     async def _cancel(
-        self, job_id: UUID, user_id: str, from_statuses: tuple[JobStatus, ...]
+        self, job_id: UUID, user_id: str, from_statuses: tuple[JobStatus, ...], *, delete: bool
     ) -> Finish | None:
         result = await self.db.finish(
             job_id=job_id,
             user_id=user_id,
             status=JobStatus.CANCELLED,
             from_statuses=from_statuses,
-            delete=True,
+            delete=delete,
             error_code="cancelled_by_user",
             error_detail="Cancelled by the user.",
         )

@@ -1,16 +1,12 @@
-// The dashboard: sign in with a pasted token, submit analyses, watch them live, cancel them, read
-// each source's verdict and start delta re-checks. The list changes only on events from
-// GET /v1/events (an EventSource, which reconnects by itself with Last-Event-ID); credits are
-// re-read after events. A job's sources and verdicts are fetched once, when it is opened.
-// Nothing polls.
+// The dashboard: sign in with a pasted token, submit analyses, watch them live, cancel them
+// (they stay listed, cancelled), remove finished ones, read each source's verdict and start
+// delta re-checks. The list changes only on events from GET /v1/events (an EventSource, which
+// reconnects by itself with Last-Event-ID); credits are re-read after events. A job's sources
+// and verdicts are fetched once, when it is opened. Nothing polls; nothing about jobs is stored.
 "use strict";
 
 (() => {
   const TOKEN_KEY = "analysis-queue.token";
-  // Jobs cancelled from this tab: the API lists deleted jobs no more, and a DELETE is the only
-  // cancel, so the page remembers them to keep showing them after a reload.
-  const CANCELLED_KEY = "analysis-queue.cancelled.";
-  const MAX_REMEMBERED = 100;
   const WAITING = {
     your_previous_analysis: "waits for your previous analysis",
     provider_capacity: "waits for provider capacity",
@@ -288,31 +284,6 @@
     return entry.promise;
   }
 
-  // -- cancelled jobs this tab remembers --------------------------------------------------
-
-  function rememberedKey() {
-    return CANCELLED_KEY + (state.user || "");
-  }
-
-  function remembered() {
-    try {
-      const saved = JSON.parse(sessionStorage.getItem(rememberedKey()) || "[]");
-      return Array.isArray(saved) ? saved.filter((job) => job && typeof job.id === "string") : [];
-    } catch (_ignored) {
-      return [];
-    }
-  }
-
-  function remember(job) {
-    const kept = remembered().filter((other) => other.id !== job.id);
-    kept.unshift(job);
-    sessionStorage.setItem(rememberedKey(), JSON.stringify(kept.slice(0, MAX_REMEMBERED)));
-  }
-
-  function cancelledByThisDelete(job) {
-    return job.status === "cancelled" && job.error && job.error.code === "cancelled_by_user";
-  }
-
   // -- the event stream -------------------------------------------------------------------
 
   function setConnection(value) {
@@ -351,7 +322,6 @@
     source.addEventListener("snapshot", (event) => {
       const data = JSON.parse(event.data);
       state.jobs = new Map(data.analyses.map((job) => [job.id, job]));
-      for (const job of remembered()) if (!state.jobs.has(job.id)) state.jobs.set(job.id, job);
       for (const [jobId, entry] of state.whole) {
         const job = state.jobs.get(jobId);
         if (!job || job.status !== entry.status) state.whole.delete(jobId);
@@ -361,16 +331,12 @@
       scheduleCredits();
     });
     source.addEventListener("deleted", (event) => {
+      // Removed (here, in another tab, or through the API): it leaves the list.
       const data = JSON.parse(event.data);
-      if (data.job) {
-        if (cancelledByThisDelete(data.job)) {
-          // A cancel: it stays in the list, cancelled, though the API lists it no more.
-          upsert(data.job, "deleted");
-          remember(data.job);
-        } else {
-          state.jobs.delete(data.job.id);
-          state.whole.delete(data.job.id);
-        }
+      if (data.job && state.jobs.has(data.job.id)) {
+        state.announcements.push(jobName(data.job) + " was removed.");
+        state.jobs.delete(data.job.id);
+        state.whole.delete(data.job.id);
       }
       scheduleRender();
       scheduleCredits();
@@ -605,6 +571,7 @@
       actions: el("div", "job-actions"),
       cancel: button("Cancel", "cancel"),
       recheck: button("Re-check", "secondary recheck"),
+      remove: button("Remove", "secondary remove"),
       body: el("div", "job-body"),
       detail: el("div", "detail"),
       error: el("p", "error job-error"),
@@ -621,10 +588,11 @@
     view.panel.hidden = true;
     view.rechecks.hidden = true;
     view.name.append(view.kind, view.meta);
-    view.actions.append(view.recheck, view.cancel);
+    view.actions.append(view.recheck, view.cancel, view.remove);
     view.body.append(view.detail, view.error, view.panel, view.rechecks);
     view.li.append(view.badge, view.name, view.actions, view.body);
     view.cancel.addEventListener("click", () => cancelJob(view));
+    view.remove.addEventListener("click", () => removeJob(view));
     view.recheck.addEventListener("click", () => toggleRecheck(view));
     return view;
   }
@@ -683,6 +651,8 @@
     const name = jobName(job);
     view.cancel.hidden = !OPEN.has(job.status);
     view.cancel.setAttribute("aria-label", "Cancel " + name);
+    view.remove.hidden = !TERMINAL.has(job.status);
+    view.remove.setAttribute("aria-label", "Remove " + name + " from the list");
     view.recheck.hidden = job.status !== "succeeded";
     view.recheck.setAttribute("aria-label", "Re-check sources of " + name);
     if (job.status !== "succeeded" && view.form) closeRecheck(view, false);
@@ -1007,20 +977,53 @@
     }
   }
 
+  // A cancelled job stays in the list, cancelled: its "cancelled" event moves it to Finished.
   async function cancelJob(view) {
     const jobId = view.job.id;
     view.cancel.disabled = true;
     view.error.textContent = "";
     try {
-      await api("DELETE", "/v1/analyses/" + encodeURIComponent(jobId));
+      await api("POST", "/v1/analyses/" + encodeURIComponent(jobId) + "/cancel");
     } catch (failure) {
       if (failure.status === 401) {
         signOut("The token was refused: " + problemMessage(failure));
         return;
       }
-      view.error.textContent = "It could not be cancelled. " + problemMessage(failure);
+      view.error.textContent =
+        failure.status === 409
+          ? "It finished before it could be cancelled."
+          : "It could not be cancelled. " + problemMessage(failure);
     } finally {
       view.cancel.disabled = false;
+    }
+  }
+
+  // A finished job leaves the list for good (there is no undo): its "deleted" event takes it out.
+  async function removeJob(view) {
+    const job = view.job;
+    if (!window.confirm("Remove " + jobName(job) + " from the list? It cannot be brought back.")) return;
+    // Its element goes with the event, perhaps before the answer: keep the keyboard in the
+    // list it stood in.
+    const card = view.li.closest("section.card");
+    const heading = card && card.querySelector("h3");
+    const focused = view.li.contains(document.activeElement);
+    view.remove.disabled = true;
+    view.error.textContent = "";
+    try {
+      await api("DELETE", "/v1/analyses/" + encodeURIComponent(job.id));
+      const lost = view.li.contains(document.activeElement) || document.activeElement === document.body;
+      if (heading && focused && lost) {
+        heading.tabIndex = -1;
+        heading.focus();
+      }
+    } catch (failure) {
+      if (failure.status === 401) {
+        signOut("The token was refused: " + problemMessage(failure));
+        return;
+      }
+      view.error.textContent = "It could not be removed. " + problemMessage(failure);
+    } finally {
+      view.remove.disabled = false;
     }
   }
 
@@ -1088,7 +1091,6 @@
     disconnect();
     clearTimeout(state.creditsTimer);
     sessionStorage.removeItem(TOKEN_KEY);
-    if (state.user !== null) sessionStorage.removeItem(rememberedKey());
     state.token = null;
     state.user = null;
     state.balance = null;
