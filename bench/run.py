@@ -435,11 +435,15 @@ async def promotion_external(
             running: dict[str, asyncio.Event] = {u: asyncio.Event() for u in users}
 
             def on_notify(_c: Any, _p: int, _ch: str, payload: str) -> None:
-                event = json.loads(payload)
-                if event["new"] == "running":
-                    running[event["user_id"]].set()
+                # One notification per transaction, naming its users: a changed user re-checks
+                # whether its next job runs.
+                # (A per-row notification of an older version names one user: A/B runs.)
+                note = json.loads(payload)
+                for user in note.get("u", {}) or [note.get("user_id")]:
+                    if user in running:
+                        running[user].set()
 
-            await conn.add_listener("aq_jobs_v1", on_notify)
+            await conn.add_listener(JOBS_CHANNEL, on_notify)
             finisher = await asyncpg.connect(dsn)
             lock = asyncio.Lock()
 
@@ -903,6 +907,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     ),
                 }
                 print_promotion(results["promotion"])
+            if "drain_service" in only:  # the service's drain alone (A/B runs of two versions)
+                users = 200 if args.quick else 1000
+                results["drain"] = await bench_drain(server, tmp, http, users, 5)
+                print_drain(results["drain"])
             if "drain" in only:
                 users = 200 if args.quick else 1000
                 results["drain_raw_sql"] = {
@@ -1011,7 +1019,9 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    parser.add_argument("--only", default="", help="comma list: admit,promotion,drain,sweep")
+    parser.add_argument(
+        "--only", default="", help="comma list: admit,promotion,drain,drain_service,sweep"
+    )
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per admit run")
     parser.add_argument(
         "--pool-size", type=int, default=POOL_SIZE, help="the service's database pool size"
