@@ -271,9 +271,10 @@ async def test_lecturer_submits_five_theses_and_watches_them_run(harness: Harnes
         await expect(page.locator("#finished > li")).to_have_count(3)
         await expect(cancelled.locator(".title")).to_have_text(titles[4])
         await expect(page.locator("#user-name")).to_have_text("lecturer")
-        # Leaving the page ends its stream (the browser aborts it): that is no failure.
+        # Leaving the page ends its stream (the browser aborts it): that is no failure, and
+        # whether Playwright reports it as one depends on its version (1.45 does not).
         aborted = [f for f in watched.failed if "/v1/events?" in f and f.endswith("ERR_ABORTED")]
-        assert len(aborted) == 1 and watched.failed == aborted, watched.failed
+        assert len(aborted) <= 1 and watched.failed == aborted, watched.failed
         assert watched.problems == []
 
         # So does another browser that never saw the cancel (a context of its own: no
