@@ -244,8 +244,13 @@ async def test_a_replay_page_is_cut_by_bytes_but_always_makes_progress(
     await h.grant("u", 6)
     await _admit_many(h, "u", 6)
     db = inst.services.db
+
+    async def first_started() -> bool:  # the release marks it running after its admit answered
+        return len((await db.events_after("u", 0, 100)).events) == 7
+
+    await wait_for(first_started, what="6 admitted and 1 started in the event log")
     everything = await db.events_after("u", 0, 100)
-    assert len(everything.events) == 7 and not everything.more  # 6 admitted, 1 started
+    assert len(everything.events) == 7 and not everything.more
     tiny = await db.events_after("u", 0, 100, max_bytes=1)
     assert len(tiny.events) == 1 and tiny.more, "one event whatever it weighs"
     some = await db.events_after("u", 0, 100, max_bytes=1500)
