@@ -157,7 +157,7 @@ async def _load(aq: AnalysisQueueClient, stop: asyncio.Event, counts: dict[str, 
         job = await aq.start_analysis(f"Thesis {n}", "https://u.example/t.pdf", [f"10.1000/s{n}"])
         counts["admitted"] += 1
         if n % 4 == 0:
-            await aq.cancel_analysis(job.id)
+            await aq.delete_analysis(job.id)  # cancels it first unless it ended
             counts["cancelled"] += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), LOAD_PERIOD_S)

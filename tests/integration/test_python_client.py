@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 from analysis_queue.client import (
     NO_RETRIES,
@@ -159,13 +160,23 @@ async def test_a_user_admits_reads_lists_rechecks_and_cancels(h: Harness) -> Non
 
         cancelled = await aq.cancel_analysis(second.id)
         assert cancelled is not None and cancelled.status is AnalysisStatus.CANCELLED
-        assert await aq.cancel_analysis(second.id) is None  # gone: nothing left to cancel
-        assert await aq.credits() == 2  # a job that never ran is refunded
+        again_cancelled = await aq.cancel_analysis(second.id)  # answered as it is
+        assert again_cancelled is not None and again_cancelled.status is AnalysisStatus.CANCELLED
+        assert await aq.credits() == 2  # a job that never ran is refunded, once
+        assert [j.id async for j in aq.list_analyses()] == [second.id, first.id]  # still listed
+        deleted = await aq.delete_analysis(second.id)
+        assert deleted is not None and deleted.status is AnalysisStatus.CANCELLED
+        assert await aq.delete_analysis(second.id) is None  # gone: nothing left to delete
+        assert await aq.cancel_analysis(second.id) is None
+        assert [j.id async for j in aq.list_analyses()] == [first.id]
+        assert await aq.credits() == 2
 
         done = await aq.wait_for(first.id, timeout_s=WAIT_S)
         assert done.status is AnalysisStatus.SUCCEEDED
         assert done.verdicts is not None and len(done.verdicts) == 2
         assert done.verdict_counts is not None and sum(done.verdict_counts.values()) == 2
+        with pytest.raises(Conflict):
+            await aq.cancel_analysis(first.id)  # it succeeded: nothing to cancel
 
         delta = await aq.start_recheck(first.id, ["10.1000/new.1"])
         assert delta.delta_of == first.id and delta.sources == ["10.1000/new.1"]
@@ -259,6 +270,7 @@ async def test_each_refusal_raises_its_class(h: Harness) -> None:
         with pytest.raises(NotFound):
             await other.get_analysis(job.id)  # another user's job is nobody's
         assert await other.cancel_analysis(job.id) is None
+        assert await other.delete_analysis(job.id) is None
 
 
 async def test_idempotency_in_progress_is_retried_until_the_first_admit_ends(
@@ -376,6 +388,27 @@ async def test_a_retry_after_core_was_unavailable_admits_once(h: Harness, retrie
     assert await _ledger(h, "gina") == (4, 1)
 
 
+async def test_a_retry_with_the_key_the_client_made_admits_once(
+    h: Harness, retries: Retries
+) -> None:
+    """Without an Idempotency-Key of the caller's, the client makes one per call and sends the
+    same one on every try: Core's outage answers 503 twice, and one job is admitted, once."""
+    async with admin(h) as adm:
+        await adm.grant_credits("gus", 5)
+    h.sim.faults.create_status = 503
+    async with client(h, "gus", retry=FAST_RETRIES) as aq:
+        admitting = asyncio.create_task(start(aq, 1))
+        await retries.seen("core_unavailable", times=2)
+        h.sim.faults.create_status = None
+        job = await asyncio.wait_for(admitting, WAIT_S)
+    rows = await fetch(
+        h.database_url,
+        "SELECT id, idempotency_key FROM analysis_jobs WHERE user_id = 'gus'",
+    )
+    assert [r["id"] for r in rows] == [job.id] and rows[0]["idempotency_key"]
+    assert await _ledger(h, "gus") == (4, 1)
+
+
 async def test_a_retry_after_the_database_timed_out_mid_admit_admits_once(
     harness: Harness, retries: Retries
 ) -> None:
@@ -487,12 +520,21 @@ async def test_the_stream_delivers_every_event_once_across_its_ends(harness: Har
         async with aq.events() as stream:
             reader = asyncio.create_task(collect(stream, got))
             await until(lambda: bool(got), "the snapshot")
+            h.sim.judge_time_s = 60.0  # one queue whatever the machine's speed:
+            running, ahead, behind = [await start(aq, 100 + k) for k in range(3)]
+            assert behind.queue_position == 2
+            await aq.delete_analysis(ahead.id)  # the job behind moves up: a position frame
+            h.sim.judge_time_s = 0.3
+            await aq.cancel_analysis(running.id)  # and starts
             n = 0
             while stream.connects < 3 or n < 12:  # jobs come and go across three streams
                 assert n < 100, "the stream does not reconnect"
                 job = await start(aq, n)
                 if n % 3 == 1:
-                    await aq.cancel_analysis(job.id)
+                    await aq.delete_analysis(job.id)
+                elif n % 6 == 2:
+                    with contextlib.suppress(Conflict):  # unless it succeeded meanwhile
+                        await aq.cancel_analysis(job.id)
                 await asyncio.sleep(0.15)
                 n += 1
 
@@ -514,7 +556,52 @@ async def test_the_stream_delivers_every_event_once_across_its_ends(harness: Har
         assert ids == list(range(1, head + 1))
         assert any(isinstance(e, PositionEvent) for e in got)
         kinds = {e.kind for e in got if isinstance(e, JobEvent)}
-        assert {"admitted", "promoted", "started", "finished", "deleted"} <= kinds
+        assert {"admitted", "promoted", "started", "finished", "cancelled", "deleted"} <= kinds
+
+
+async def test_a_stream_resumes_after_the_id_another_process_kept(h: Harness) -> None:
+    """``events(last_event_id=N)`` in a new client (another process, say) delivers what came
+    after N and nothing before it, with no snapshot."""
+    async with admin(h) as adm, client(h, "lou") as aq:
+        await adm.grant_credits("lou", 5)
+        h.sim.judge_time_s = 60.0
+        for n in range(3):
+            await start(aq, n)
+        async with aq.events() as stream:
+            first = await anext(aiter(stream))
+            assert isinstance(first, SnapshotEvent)
+            kept = stream.last_event_id
+        assert kept is not None and kept >= 3  # 3 admitted at least
+        await start(aq, 3)
+        await start(aq, 4)
+    head = int(
+        await fetchval(
+            h.database_url, "SELECT last_id FROM job_event_counters WHERE user_id = 'lou'"
+        )
+    )
+    async with client(h, "lou") as later, later.events(last_event_id=kept) as stream:
+        got: list[Event] = []
+        reader = asyncio.create_task(collect(stream, got))
+        await until(lambda: (stream.last_event_id or 0) >= head, f"event {head} delivered")
+        await stop(reader)
+        last = stream.last_event_id
+    assert last is not None and not any(isinstance(e, SnapshotEvent) for e in got)
+    assert [e.id for e in got if isinstance(e, JobEvent)] == list(range(kept + 1, last + 1))
+    assert {e.kind for e in got if isinstance(e, JobEvent)} >= {"admitted"}
+
+
+async def test_a_session_the_caller_gave_stays_open(h: Harness) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with AnalysisQueueClient(
+            h.instances[0].base_url, token("max"), session=session
+        ) as aq:
+            assert await aq.credits() == 0
+        assert not session.closed  # the caller's, closed by the caller
+        async with AdminClient(h.instances[0].base_url, ADMIN_TOKEN, session=session) as adm:
+            assert await adm.grant_credits("max", 1) == 1
+        assert not session.closed
+        async with session.get(f"{h.instances[0].base_url}/healthz") as r:
+            assert r.status == 200
 
 
 async def test_a_stream_past_the_users_cap_waits_for_a_free_one(
@@ -599,5 +686,11 @@ async def test_wait_for_a_job_already_done_missing_deleted_or_too_slow(h: Harnes
         waiting = asyncio.create_task(aq.wait_for(queued.id, timeout_s=WAIT_S))
         await until(lambda: aq._waits._positioned, "the wait's stream has its snapshot")
         assert await aq.cancel_analysis(queued.id) is not None
+        assert (await waiting).status is AnalysisStatus.CANCELLED  # cancelled, still listed
+
+        gone = await start(aq, 4)
+        waiting = asyncio.create_task(aq.wait_for(gone.id, timeout_s=WAIT_S))
+        await until(lambda: aq._waits._positioned, "the wait's stream has its snapshot")
+        assert await aq.delete_analysis(gone.id) is not None
         with pytest.raises(NotFound):  # cancelled, and deleted with it
             await waiting

@@ -142,15 +142,28 @@ class AnalysisQueueClient(_Client):
         return job
 
     async def cancel_analysis(self, analysis_id: UUID | str) -> Analysis | None:
-        """Cancel and delete a job: one that has not run is refunded. The job as it ended, or
-        None when there is no such job of yours (already deleted, say). Not retried: a
-        :class:`ServiceUnavailable` (Core could not be told to stop it) leaves the job going."""
+        """Cancel a job and keep it listed (``POST /v1/analyses/{id}/cancel``): one that has not
+        run is refunded. The job as cancelled (a job cancelled before is answered as it is), or
+        None when there is no such job of yours; :class:`Conflict` if it succeeded or failed.
+        Not retried: a :class:`ServiceUnavailable` (Core could not be told to stop it) leaves
+        the job going."""
+        return await self._end(analysis_id, "POST", "/cancel", "cancel_analysis")
+
+    async def delete_analysis(self, analysis_id: UUID | str) -> Analysis | None:
+        """Take a job out of your list for good (``DELETE``): one that has not ended is
+        cancelled first, as :meth:`cancel_analysis` does. The job as it ended, or None when
+        there is no such job of yours (deleted already, say). Not retried, like a cancel."""
+        return await self._end(analysis_id, "DELETE", "", "delete_analysis")
+
+    async def _end(
+        self, analysis_id: UUID | str, method: str, suffix: str, action: str
+    ) -> Analysis | None:
         try:
             job, _ = await self._http.call(
-                "DELETE",
-                f"/v1/analyses/{_segment(analysis_id)}",
+                method,
+                f"/v1/analyses/{_segment(analysis_id)}{suffix}",
                 Analysis,
-                action="cancel_analysis",
+                action=action,
                 idempotent=False,
             )
         except NotFound:
