@@ -618,6 +618,10 @@ async def _group_commits(http: aiohttp.ClientSession, base: str) -> dict[str, di
             if line.startswith(metric + "{"):
                 what = line.split('what="', 1)[1].split('"', 1)[0]
                 out.setdefault(what, {})[key] = float(line.rsplit(" ", 1)[1])
+        if line.startswith("aq_group_commit_alone_total{"):  # left to a transaction alone
+            what = line.split('what="', 1)[1].split('"', 1)[0]
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out.setdefault(what, {})[f"alone_{reason}"] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -982,6 +986,7 @@ def print_drain(r: dict[str, Any], label: str = "") -> None:
         "   group commits: "
         + ", ".join(
             f"{what} {v.get('jobs', 0):.0f} jobs in {v.get('statements', 0):.0f} statements"
+            + (f" ({alone:.0f} then alone)" if (alone := v.get("alone_busy", 0)) else "")
             for what, v in sorted(gc.items())
         )
     )

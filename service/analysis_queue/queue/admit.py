@@ -87,12 +87,16 @@ class Admitter:
         self.job_max_bytes = job_max_bytes
         self._wait_s = db.timeouts.acquire_s
         self._reservations: GroupCommit[ReserveRequest, Batched[Reservation]] = GroupCommit(
-            db.reserve_many, max_batch=BATCH_MAX, on_batch=metrics.batch_counter("reserve")
+            db.reserve_many,
+            max_batch=BATCH_MAX,
+            on_batch=metrics.batch_counter("reserve"),
+            on_alone=metrics.alone_counter("reserve"),
         )
         self._admissions: GroupCommit[AdmitRequest, Batched[Admission]] = GroupCommit(
             functools.partial(db.admit_many, claim=claim),
             max_batch=BATCH_MAX,
             on_batch=metrics.batch_counter("admit"),
+            on_alone=metrics.alone_counter("admit"),
         )
 
     async def admit(

@@ -79,6 +79,7 @@ class Finisher:
             functools.partial(db.finish_many, claim=claim),
             max_batch=BATCH_MAX,
             on_batch=metrics.batch_counter("finish"),
+            on_alone=metrics.alone_counter("finish"),
         )
 
     def _followed(self, result: Finish) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from analysis_queue import errors
 from analysis_queue.models import Batched, BatchOutcome
@@ -45,11 +45,14 @@ class GroupCommit(Generic[K, V]):
         *,
         max_batch: int = 256,
         on_batch: Callable[[int], None] | None = None,
+        on_alone: Callable[[str], None] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self._flush = flush
         self._on_batch = on_batch  # called with each written batch's size (metrics)
+        # called by in_batch for each key left to be decided alone, with why (metrics)
+        self.on_alone = on_alone
         self._max_batch = max_batch
         self._waiting: list[tuple[K, asyncio.Future[V | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -136,7 +139,14 @@ async def in_batch(
         raise
     except Exception:
         log.exception("group commit failed; deciding alone", extra={"action": what})
+        _alone(group, "failed")
         return None
     if batched is None or batched.outcome is BatchOutcome.BUSY:
+        _alone(group, "busy")
         return None
     return batched
+
+
+def _alone(group: GroupCommit[Any, Any], reason: str) -> None:
+    if group.on_alone is not None:
+        group.on_alone(reason)

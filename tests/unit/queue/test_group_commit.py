@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout
+from analysis_queue.models import Batched, BatchOutcome
+from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout, in_batch
 
 
 class Recorder:
@@ -150,3 +151,20 @@ async def test_a_caller_may_bound_its_wait_for_a_place_but_not_for_its_answer() 
     assert await in_flight == "v0", "a key in a statement waits for that statement's answer"
     assert flush.batches == [[0]]
     assert await group.submit(4, queue_timeout_s=0.05) == "v4"
+
+
+async def test_in_batch_counts_each_request_it_leaves_to_decide_alone() -> None:
+    outcomes = {1: BatchOutcome.DONE, 2: BatchOutcome.BUSY, 3: None}
+    alone: list[str] = []
+
+    async def flush(keys: list[int]) -> dict[int, Batched[str]]:
+        if 4 in keys:
+            raise RuntimeError("the batch failed")
+        return {k: Batched(o, "x") for k in keys if (o := outcomes[k]) is not None}
+
+    group: GroupCommit[int, Batched[str]] = GroupCommit(flush, on_alone=alone.append)
+    done, busy, missing = await asyncio.gather(*(in_batch(group, k, "t", 5) for k in (1, 2, 3)))
+    assert done == Batched(BatchOutcome.DONE, "x") and busy is None and missing is None
+    assert alone == ["busy", "busy"]  # a request the batch did not answer is decided alone too
+    assert await in_batch(group, 4, "t", 5) is None
+    assert alone == ["busy", "busy", "failed"]
