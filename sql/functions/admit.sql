@@ -182,11 +182,12 @@ $$;
 
 -- Group commits (queue/admit.py): the reservations, and the admits, of the clicks that arrive
 -- while the previous batch is being written, in one transaction each. Every click is decided
--- for itself, in arrival order, by the single-click function above; a click whose user's lock
--- another transaction holds is not waited for: it comes back 'busy' (and so does every later
--- click of that user in the batch, so a user's clicks never overtake each other) and its
--- caller decides it alone. A batch thus never waits for a user's lock, cannot deadlock, and
--- one user's lock holder never delays another user's click (docs/locking.md).
+-- for itself, in arrival order, by the single-click function above. A click whose user's lock
+-- another transaction holds comes back 'busy' (and so does every later click of that user in
+-- the batch, so a user's clicks never overtake each other) and its caller decides it alone:
+-- the reservations only try users' locks; the admits, which notify, wait for them a moment
+-- (aq_lock_users_v1), since a click decided alone costs a notifying commit of its own. One
+-- user's lock holder delays another user's click by that moment at most (docs/locking.md).
 --
 -- p_items: [{"item": n, ...the single-click function's arguments by name}, ...].
 
@@ -251,6 +252,11 @@ BEGIN
     -- the ceiling waits for this batch), and taken before any user's lock; the single-click
     -- calls below then find it held.
     PERFORM aq_lock_global_shared_v1();
+    -- Then every user's lock, sorted, each waited for a moment at most: a user still busy is
+    -- left to decide alone (their clicks, all of them: none overtakes another).
+    v_busy := aq_lock_users_v1(
+        ARRAY(SELECT x.user_id FROM jsonb_to_recordset(p_items) AS x(user_id text)),
+        aq_batch_lock_wait_ms_v1());
     FOR r IN
         SELECT * FROM jsonb_to_recordset(p_items) AS x(
             item integer, job_id uuid, user_id text, run_id uuid, core_run_id text,
@@ -262,8 +268,7 @@ BEGIN
         job := NULL;
         queue_position := NULL;
         promoted := '{}';
-        IF r.user_id = ANY (v_busy) OR NOT aq_try_lock_user_v1(r.user_id) THEN
-            v_busy := v_busy || r.user_id;
+        IF r.user_id = ANY (v_busy) THEN
             outcome := 'busy';
         ELSIF NOT aq_reservation_held_v1(r.run_id) THEN
             outcome := 'reservation_gone';

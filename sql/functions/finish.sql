@@ -118,8 +118,8 @@ $$;
 -- Group commit of completions (queue/finish.py): Core's reports that arrive while the previous
 -- batch is being written, finished in one transaction, each by aq_finish_v2 above, in order,
 -- each filling the slot its job frees. As with admits (admit.sql), a report whose user's lock
--- another transaction holds comes back 'busy' (and so does every later one of that user in the
--- batch), and its caller finishes it alone: the batch never waits for a user's lock.
+-- another transaction holds for longer than a moment (aq_lock_users_v1) comes back 'busy'
+-- (and so does every later one of that user in the batch), and its caller finishes it alone.
 -- p_items: [{"item": n, "core_run_id", "status", "from" (statuses), "error_code",
 -- "error_detail", "verdicts", "ran"}, ...].
 -- Outcomes: 'finished' (the columns of aq_finish_v2), 'unknown' (no such run), 'busy'. The
@@ -136,6 +136,10 @@ DECLARE
     v_busy text[] := '{}';
 BEGIN
     PERFORM aq_lock_global_shared_v1();  -- as every finish with the ceiling off: before users
+    v_busy := aq_lock_users_v1(
+        ARRAY(SELECT j.user_id FROM jsonb_to_recordset(p_items) AS x(core_run_id text)
+                JOIN analysis_jobs j ON j.core_run_id = x.core_run_id),
+        aq_batch_lock_wait_ms_v1());
     FOR r IN
         SELECT * FROM jsonb_to_recordset(p_items) AS x(
             item integer, core_run_id text, status text, "from" text[], error_code text,
@@ -151,8 +155,7 @@ BEGIN
         SELECT j.user_id INTO v_user FROM analysis_jobs j WHERE j.core_run_id = r.core_run_id;
         IF NOT FOUND THEN
             outcome := 'unknown';
-        ELSIF v_user = ANY (v_busy) OR NOT aq_try_lock_user_v1(v_user) THEN
-            v_busy := v_busy || v_user;
+        ELSIF v_user = ANY (v_busy) THEN
             outcome := 'busy';
         ELSE
             SELECT f.* INTO v_finished

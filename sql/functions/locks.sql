@@ -34,6 +34,50 @@ BEGIN
 END
 $$;
 
+-- How long a batch of admits or completions waits, in all, for users' locks held elsewhere
+-- before it leaves those users to be decided alone: about one other batch's commit. Longer
+-- delays every other click of the batch; shorter sends more clicks to a notifying commit of
+-- their own (docs/benchmarks.md).
+CREATE OR REPLACE FUNCTION aq_batch_lock_wait_ms_v1() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 50 $$;
+
+-- The user locks of a batch of decisions for many users (admission and completion group
+-- commits): in sorted order, each tried, and one that is held elsewhere waited for while the
+-- batch's wait budget of p_wait_ms lasts (the holder is usually another batch about to commit).
+-- Returns the users it could not lock: their decisions leave the batch and are taken alone. So
+-- a batch waits at most p_wait_ms for anyone's lock holder, and, waiting only in sorted order,
+-- closes no cycle with the other batches and passes, which lock users in that order too
+-- (docs/locking.md, rule 2).
+CREATE OR REPLACE FUNCTION aq_lock_users_v1(p_users text[], p_wait_ms integer)
+RETURNS text[]
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_user text;
+    v_busy text[] := '{}';
+    v_timeout text := current_setting('lock_timeout');
+    v_until timestamptz := clock_timestamp() + make_interval(secs => p_wait_ms / 1000.0);
+    v_left_ms integer;
+BEGIN
+    FOR v_user IN SELECT DISTINCT u FROM unnest(p_users) u WHERE u IS NOT NULL ORDER BY u LOOP
+        CONTINUE WHEN aq_try_lock_user_v1(v_user);
+        v_left_ms := floor(extract(epoch FROM v_until - clock_timestamp()) * 1000);
+        IF v_left_ms >= 1 THEN
+            PERFORM set_config('lock_timeout', v_left_ms || 'ms', true);
+            BEGIN
+                PERFORM aq_lock_user_v1(v_user);
+                v_left_ms := NULL;  -- locked
+            EXCEPTION WHEN lock_not_available THEN
+                NULL;
+            END;
+            PERFORM set_config('lock_timeout', v_timeout, true);
+            CONTINUE WHEN v_left_ms IS NULL;
+        END IF;
+        v_busy := v_busy || v_user;
+    END LOOP;
+    RETURN v_busy;
+END
+$$;
+
 -- The global lock guards the provider ceiling's slots and value. Its key text cannot equal a
 -- user key (those are the queue's prefix and a colon, then the user id). Its four modes
 -- (exclusive or shared, waited for or tried) each have one use: docs/locking.md.

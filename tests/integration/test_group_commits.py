@@ -165,6 +165,58 @@ async def test_once_a_user_is_busy_their_later_clicks_in_the_batch_are_too(
         await holder.close()
 
 
+async def _users_locked_by(dsn: str, pid: int) -> set[str]:
+    rows = await fetch(
+        dsn,
+        """SELECT u FROM unnest(ARRAY['alice', 'bob', 'carol']) u
+            WHERE EXISTS (SELECT 1 FROM pg_locks l
+                           WHERE l.pid = $1 AND l.locktype = 'advisory' AND l.granted
+                             AND ((l.classid::bigint << 32) | l.objid::bigint)
+                                 = aq_user_lock_key_v1(u))""",
+        pid,
+    )
+    return {r["u"] for r in rows}
+
+
+async def test_a_batch_waits_a_moment_for_a_busy_user_in_sorted_order(
+    database_url: str,
+) -> None:
+    """aq_lock_users_v1: a batch's users' locks are taken in sorted order, and one held
+    elsewhere is waited for while the batch's budget lasts (here long): released meanwhile,
+    the user stays in the batch. With no budget left, the user is busy at once."""
+    holder = await asyncpg.connect(database_url)
+    batch = await asyncpg.connect(database_url)
+    try:
+        await holder.execute("BEGIN; SELECT aq_lock_user_v1('bob')")
+        await batch.execute("BEGIN")
+        locking = asyncio.create_task(
+            batch.fetchval("SELECT aq_lock_users_v1(ARRAY['carol', 'bob', 'alice', 'bob'], 60000)")
+        )
+        await wait_until_blocked(database_url, holder.get_server_pid())
+        # Sorted: alice's lock is taken, carol's waits until bob's is.
+        assert await _users_locked_by(database_url, batch.get_server_pid()) == {"alice"}
+        await holder.execute("ROLLBACK")
+        assert await asyncio.wait_for(locking, 10) == []
+        assert await _users_locked_by(database_url, batch.get_server_pid()) == {
+            "alice",
+            "bob",
+            "carol",
+        }
+        assert await batch.fetchval("SHOW lock_timeout") == "0", "its own wait bound is undone"
+        await batch.execute("ROLLBACK")
+
+        await holder.execute("BEGIN; SELECT aq_lock_user_v1('bob')")
+        await batch.execute("BEGIN")
+        busy = await batch.fetchval("SELECT aq_lock_users_v1(ARRAY['carol', 'bob', 'alice'], 0)")
+        assert busy == ["bob"]
+        assert await _users_locked_by(database_url, batch.get_server_pid()) == {"alice", "carol"}
+        await batch.execute("ROLLBACK")
+        await holder.execute("ROLLBACK")
+    finally:
+        await holder.close()
+        await batch.close()
+
+
 async def test_completions_of_a_batch_each_fill_the_slot_they_free(
     db: Database, database_url: str
 ) -> None:
