@@ -21,7 +21,7 @@ from analysis_queue.models import Job
 from analysis_queue.store.database import Database
 from analysis_queue.store.listen import JOBS_CHANNEL
 from analysis_queue.store.sqlfiles import migrations, queries, repeatables
-from support import check_invariants, wait_for, wait_until_blocked
+from support import check_invariants, fetch, wait_for, wait_until_blocked
 
 REPO = Path(__file__).resolve().parents[2]
 THESIS = {"title": "On locks", "document_url": "https://uni.example/locks.pdf"}
@@ -579,7 +579,9 @@ def test_wheel_carries_the_sql(tmp_path: Path) -> None:
     assert Path(module).resolve().is_relative_to(site.resolve())
 
 
-async def test_set_based_claims_race_to_exactly_one_claimer(db: Database) -> None:
+async def test_set_based_claims_race_to_exactly_one_claimer(
+    db: Database, database_url: str
+) -> None:
     """Two instances claim overlapping batches of the same pending jobs at once, in opposite
     orders: every job is claimed once, and only its claimer can mark it running."""
     jobs = [await _admit(db, f"claim-{i}") for i in range(40)]
@@ -604,7 +606,10 @@ async def test_set_based_claims_race_to_exactly_one_claimer(db: Database) -> Non
     )
     assert set(moved_a) == claimed_a - {done}
     assert set(moved_b) == claimed_b
-    assert all(j.status == "running" for j in moved_a.values())
+    statuses = await fetch(
+        database_url, "SELECT status FROM analysis_jobs WHERE id = ANY($1::uuid[])", list(moved_a)
+    )
+    assert {r["status"] for r in statuses} == {"running"}
     assert await db.mark_running(ids, "inst-a") == {}, "a second mark moves nothing"
 
 

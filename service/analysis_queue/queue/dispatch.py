@@ -96,7 +96,7 @@ class Dispatcher:
             lambda ids: db.claim(ids, settings.instance_id, settings.claim_lease_s),
             on_batch=metrics.batch_counter("claim"),
         )
-        self._running: GroupCommit[UUID, Job] = GroupCommit(
+        self._running: GroupCommit[UUID, bool] = GroupCommit(
             lambda ids: db.mark_running(ids, settings.instance_id),
             on_batch=metrics.batch_counter("running"),
         )

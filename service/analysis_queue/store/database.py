@@ -558,10 +558,10 @@ class Database:
         rows = await self._fetch("jobs_claim", sorted(set(job_ids)), instance_id, lease_s)
         return {job.id: job for job in map(Job.from_row, rows)}
 
-    async def mark_running(self, job_ids: Sequence[UUID], instance_id: str) -> dict[UUID, Job]:
-        """Core released these claimed jobs; returns the ones moved to running, by id."""
+    async def mark_running(self, job_ids: Sequence[UUID], instance_id: str) -> dict[UUID, bool]:
+        """Core released these claimed jobs; the ones moved to running, each mapped to True."""
         rows = await self._fetch("jobs_mark_running", sorted(set(job_ids)), instance_id)
-        return {job.id: job for job in map(Job.from_row, rows)}
+        return {row["id"]: True for row in rows}
 
     async def schedule_release_retry(
         self, job_id: UUID, instance_id: str, at: datetime, detail: str
