@@ -181,8 +181,8 @@ def build_app(
         await _apply_ceiling(services)
         app[SERVICES] = services
         services.migrated = not await db.pending_migrations()
-        _start_loops(services, on_fatal)
         services.events.start()
+        _start_loops(services, on_fatal)
         log.info(
             "service started",
             extra={
@@ -394,6 +394,7 @@ def _start_loops(services: Services, on_fatal: Callable[[str], None] | None) -> 
     if services.listener is None:
         services.sweeper.kick()  # the catch-up pass the listener would have asked for
     loops.append(("sweeper", lambda: services.sweeper.task))
+    loops.append(("events-resync", lambda: services.events.task))
     if services.settings.sweep_interval_s <= 0 and services.listener is None:
         log.warning("both LISTEN and the sweep are off: queued jobs wait for tail promotions")
 

@@ -137,6 +137,8 @@ async def test_behind_pgbouncer_the_start_line_names_both_urls_without_passwords
     assert started["database"] == settings["database_url"], started
     assert started["direct_database"] == database_url, started
     assert started["pooler"] == "transaction", started
+    assert started["mode"] == "production", started
+    assert started["core"] == env["AQ_CORE_URL"], started
     assert "pool-secret" not in out and "direct-secret" not in out, "a password in the logs"
 
 
@@ -182,26 +184,45 @@ def test_a_broken_migration_ends_the_start_naming_it(tmp_path: Path, database_ur
         assert "Traceback" not in out, out
 
 
-# A bug in a background loop, as a real process meets it: the sweep's pass raises past its
-# own error handling. The process must not go on half-working.
+# A bug in a background loop, as a real process meets it: a pass raises past its own error
+# handling. The process must not go on half-working.
 _BROKEN_SWEEP = """
 import sys
 from analysis_queue.loops.sweep import Sweeper
 
 async def broken(self):
-    raise RuntimeError("a bug in the sweep")
+    raise RuntimeError("a bug in the sweeper")
 
 Sweeper.run_once = broken
 from analysis_queue.cli import main
 sys.exit(main(["serve"]))
 """
+_BROKEN_RESYNC = """
+import dataclasses, sys
+from analysis_queue.loops import hub
+
+def broken(self):
+    raise RuntimeError("a bug in the events-resync")
+
+hub.EventHub.resync_once = broken
+_make = hub.EventHub.__init__
+def soon(self, *args, **kwargs):  # the 15 s resync, every 0.2 s
+    _make(self, *args, **kwargs)
+    self.settings = dataclasses.replace(self.settings, resync_s=0.2)
+hub.EventHub.__init__ = soon
+from analysis_queue.cli import main
+sys.exit(main(["serve"]))
+"""
 
 
+@pytest.mark.parametrize(
+    ("loop", "script"), [("sweeper", _BROKEN_SWEEP), ("events-resync", _BROKEN_RESYNC)]
+)
 def test_a_dead_background_loop_ends_the_process_non_zero(
-    tmp_path: Path, database_url: str
+    tmp_path: Path, database_url: str, loop: str, script: str
 ) -> None:
     env = _complete(tmp_path, AQ_DATABASE_URL=database_url, AQ_SWEEP_INTERVAL_S="0.2")
-    code, out, _ = _run([sys.executable, "-c", _BROKEN_SWEEP], env)
+    code, out, _ = _run([sys.executable, "-c", script], env)
     assert code == EXIT_FAILED, out
-    assert "background loop died" in out and "a bug in the sweep" in out, out
-    assert '"loops":["sweeper"]' in out, out
+    assert "background loop died" in out and f"a bug in the {loop}" in out, out
+    assert f'"loops":["{loop}"]' in out, out

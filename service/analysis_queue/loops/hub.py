@@ -398,10 +398,22 @@ class EventHub:
         if self.settings.resync_s > 0 and (self._resync_task is None or self._resync_task.done()):
             self._resync_task = asyncio.create_task(self._resync(), name="events-resync")
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The resync loop, while it runs (app.py watches it: a dead loop ends the process)."""
+        return self._resync_task
+
     async def _resync(self) -> None:
         while not self.closed:
             await asyncio.sleep(self.settings.resync_s)
+            self.resync_once()
+
+    def resync_once(self) -> None:
+        """One resync pass: every feed re-reads its user's events (a lost NOTIFY's repair)."""
+        try:
             self.wake_all()
+        except Exception:
+            log.exception("event resync failed", extra={"action": "events_resync"})
 
     def close(self) -> None:
         """Stop taking subscribers and wake every open stream so that it ends now (shutdown
