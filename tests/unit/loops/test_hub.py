@@ -1,21 +1,30 @@
-"""The event hub's pieces: SSE frames and a subscriber's bounded buffer."""
+"""The event hub's pieces: SSE frames, a subscriber's bounded buffer, the read budgets of
+catch-up and live delivery, and large encodes off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Any, cast
 
 import orjson
 from analysis_queue.loops.hub import (
+    ENCODE_INLINE_MAX,
+    EventHub,
     Frame,
+    HubSettings,
     Subscription,
     encode,
+    encoded,
     event_frame,
     position_frames,
     snapshot_frame,
 )
-from analysis_queue.models import EventKind, Job, JobEvent, QueuePosition
+from analysis_queue.metrics import Metrics
+from analysis_queue.models import EventKind, EventPage, Job, JobEvent, QueuePosition
 from support import make_job
 
 
@@ -108,3 +117,78 @@ async def test_closing_wakes_a_waiting_reader_and_aborts_an_overflowed_one() -> 
     assert aborted == ["abort"]
     assert await stuck.next(1) is None
     assert stuck.offer([Frame(2, b"x")])  # ignored once closed
+
+
+class _Reads:
+    """The hub's database reads, each held open until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.live: list[str] = []
+        self.gate = asyncio.Event()
+
+    async def event_head(self, user_id: str) -> int:
+        return 0
+
+    async def events_after(
+        self, user_id: str, after: int, limit: int, max_bytes: int | None = None
+    ) -> EventPage:
+        self.live.append(user_id)
+        await self.gate.wait()
+        return EventPage((), more=False)
+
+
+async def _turns(n: int = 20) -> None:
+    """Let every ready task run (no I/O here: a fixed number of loop turns is deterministic)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_catch_ups_go_one_at_a_time_per_user_and_never_hold_up_live_delivery() -> None:
+    reads = _Reads()
+    settings = HubSettings(read_concurrency=1, catchup_concurrency=2)
+    hub = EventHub(cast(Any, reads), settings, Metrics())
+    subs = {name: await hub.subscribe(user) for name, user in (("a1", "a"), ("a2", "a"))}
+    subs["b"] = await hub.subscribe("b")
+    subs["c"] = await hub.subscribe("c")
+    entered: list[str] = []
+    release = {name: asyncio.Event() for name in subs}
+
+    async def catch_up(name: str) -> None:
+        async with hub.catching_up(subs[name]):
+            entered.append(name)
+            await release[name].wait()
+
+    tasks = [asyncio.create_task(catch_up(name)) for name in ("a1", "a2")]
+    await _turns()
+    assert entered == ["a1"], "a's second stream waits for a's first, with a slot free"
+    tasks += [asyncio.create_task(catch_up(name)) for name in ("b", "c")]
+    await _turns()
+    assert entered == ["a1", "b"], "b takes the free slot; c waits for one"
+    hub.notify("d")  # no subscriber: nothing to read
+    hub.notify("c")  # live delivery for c reads while both catch-up slots are taken
+    await _turns()
+    assert reads.live == ["c"]
+    release["a1"].set()
+    await _turns()
+    assert entered == ["a1", "b", "c"]  # c was first in line for a slot
+    release["b"].set()
+    await _turns()
+    assert entered == ["a1", "b", "c", "a2"]  # a's second, once a slot is free
+    for event in release.values():
+        event.set()
+    reads.gate.set()
+    await asyncio.gather(*tasks)
+    await hub.stop()
+
+
+async def test_a_large_page_is_encoded_off_the_event_loop() -> None:
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+
+    def make(items: Sequence[int]) -> list[Frame]:
+        seen.append(threading.get_ident())
+        return [Frame(i, b"x") for i in items]
+
+    assert len(await encoded(make, range(ENCODE_INLINE_MAX))) == ENCODE_INLINE_MAX
+    assert len(await encoded(make, range(ENCODE_INLINE_MAX + 1))) == ENCODE_INLINE_MAX + 1
+    assert seen[0] == loop_thread and seen[1] != loop_thread
