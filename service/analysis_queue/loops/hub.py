@@ -34,15 +34,14 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 from uuid import UUID
 
 import orjson
 
 from analysis_queue import errors
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import EventKind, JobEvent, JobSummary, QueuePosition
-from analysis_queue.store.database import Database
+from analysis_queue.models import EventKind, EventPage, JobEvent, JobSummary, QueuePosition
 
 log = logging.getLogger(__name__)
 
@@ -227,10 +226,27 @@ class _Feed:
         self.catching_up = asyncio.Lock()  # one snapshot or replay at a time for this user
 
 
+class EventReads(Protocol):
+    """The reads of a user's event log and queue that the hub and its streams make
+    (``store.database.Database`` is the one used; tests substitute their own)."""
+
+    async def event_head(self, user_id: str) -> int: ...
+
+    async def events_after(
+        self, user_id: str, after_id: int, limit: int, max_bytes: int = ...
+    ) -> EventPage: ...
+
+    async def queue_positions(self, user_id: str) -> list[QueuePosition]: ...
+
+    async def list_jobs(
+        self, user_id: str, *, before_seq: int | None = None, limit: int = 50
+    ) -> list[JobSummary]: ...
+
+
 class EventHub:
     """``await subscribe(user)`` / ``unsubscribe(sub)``; ``notify(user)`` from the listener."""
 
-    def __init__(self, db: Database, settings: HubSettings, metrics: Metrics) -> None:
+    def __init__(self, db: EventReads, settings: HubSettings, metrics: Metrics) -> None:
         self.db = db
         self.settings = settings
         self.metrics = metrics
@@ -384,7 +400,7 @@ class EventHub:
     # -- reads for the streams' catch-up ----------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def catching_up(self, sub: Subscription) -> AsyncIterator[Database]:
+    async def catching_up(self, sub: Subscription) -> AsyncIterator[EventReads]:
         """The database for a new stream's snapshot or replay: one at a time for its user, a
         few at once in all, apart from live delivery's reads."""
         feed = self._feeds.get(sub.user_id)

@@ -8,7 +8,6 @@ import threading
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, cast
 
 import orjson
 from analysis_queue.loops.hub import (
@@ -24,7 +23,14 @@ from analysis_queue.loops.hub import (
     snapshot_frame,
 )
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import EventKind, EventPage, Job, JobEvent, QueuePosition
+from analysis_queue.models import (
+    EventKind,
+    EventPage,
+    Job,
+    JobEvent,
+    JobSummary,
+    QueuePosition,
+)
 from support import make_job
 
 
@@ -130,11 +136,19 @@ class _Reads:
         return 0
 
     async def events_after(
-        self, user_id: str, after: int, limit: int, max_bytes: int | None = None
+        self, user_id: str, after_id: int, limit: int, max_bytes: int = 1 << 20
     ) -> EventPage:
         self.live.append(user_id)
         await self.gate.wait()
         return EventPage((), more=False)
+
+    async def queue_positions(self, user_id: str) -> list[QueuePosition]:
+        return []
+
+    async def list_jobs(
+        self, user_id: str, *, before_seq: int | None = None, limit: int = 50
+    ) -> list[JobSummary]:
+        return []
 
 
 async def _turns(n: int = 20) -> None:
@@ -146,7 +160,7 @@ async def _turns(n: int = 20) -> None:
 async def test_catch_ups_go_one_at_a_time_per_user_and_never_hold_up_live_delivery() -> None:
     reads = _Reads()
     settings = HubSettings(read_concurrency=1, catchup_concurrency=2)
-    hub = EventHub(cast(Any, reads), settings, Metrics())
+    hub = EventHub(reads, settings, Metrics())
     subs = {name: await hub.subscribe(user) for name, user in (("a1", "a"), ("a2", "a"))}
     subs["b"] = await hub.subscribe("b")
     subs["c"] = await hub.subscribe("c")

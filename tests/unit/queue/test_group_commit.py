@@ -9,6 +9,11 @@ from analysis_queue.models import Batched, BatchOutcome
 from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout, in_batch
 
 
+async def _turns(n: int = 20) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 class Recorder:
     """A flush that records its batches and can be held open."""
 
@@ -40,10 +45,10 @@ async def test_keys_submitted_during_a_flush_share_the_next_one() -> None:
     flush.gate.clear()
     group: GroupCommit[int, str] = GroupCommit(flush)
     first = asyncio.create_task(group.submit(0))
-    await asyncio.sleep(0.01)
+    await _turns()
     assert flush.batches == [[0]]  # in flight, held open
     later = [asyncio.create_task(group.submit(k)) for k in (2, 4, 6)]
-    await asyncio.sleep(0.01)
+    await _turns()
     assert flush.batches == [[0]], "nothing goes out while a statement is in flight"
     flush.gate.set()
     assert await first == "v0"
@@ -66,9 +71,9 @@ async def test_a_failed_statement_fails_its_batch_only() -> None:
     flush.fail_on = 0
     group: GroupCommit[int, str] = GroupCommit(flush)
     doomed = asyncio.create_task(group.submit(0))
-    await asyncio.sleep(0.01)
+    await _turns()
     fine = asyncio.create_task(group.submit(2))
-    await asyncio.sleep(0.01)
+    await _turns()
     flush.gate.set()
     with pytest.raises(RuntimeError, match="statement failed"):
         await doomed
@@ -83,7 +88,7 @@ async def test_a_cancelled_caller_does_not_break_its_batch() -> None:
     group: GroupCommit[int, str] = GroupCommit(flush)
     gone = asyncio.create_task(group.submit(0))
     stays = asyncio.create_task(group.submit(2))
-    await asyncio.sleep(0.01)
+    await _turns()
     gone.cancel()
     flush.gate.set()
     assert await stays == "v2"
@@ -113,10 +118,10 @@ async def test_a_caller_cancelled_before_its_batch_is_not_written() -> None:
     flush.gate.clear()
     group: GroupCommit[int, str] = GroupCommit(flush)
     first = asyncio.create_task(group.submit(0))
-    await asyncio.sleep(0.01)  # 0 in flight
+    await _turns()  # 0 in flight
     gone = asyncio.create_task(group.submit(2))
     stays = asyncio.create_task(group.submit(4))
-    await asyncio.sleep(0.01)
+    await _turns()
     gone.cancel()
     flush.gate.set()
     assert (await first, await stays) == ("v0", "v4")
@@ -128,10 +133,11 @@ async def test_idle_waits_for_the_statement_in_flight() -> None:
     flush.gate.clear()
     group: GroupCommit[int, str] = GroupCommit(flush)
     caller = asyncio.create_task(group.submit(0))
-    await asyncio.sleep(0.01)
+    await _turns()
+    assert flush.batches == [[0]], "the statement is being written"
     caller.cancel()  # its owner is gone; the statement is still being written
     idle = asyncio.create_task(group.idle())
-    await asyncio.sleep(0.01)
+    await _turns()  # no I/O here: a fixed number of loop turns runs everything that can run
     assert not idle.done()
     flush.gate.set()
     await asyncio.wait_for(idle, 1)
