@@ -8,6 +8,7 @@
 
 -- 0.1's admit (queries.sql "admit"). Replaced by aq_admit_v2, which also returns every job the
 -- admit started; 0.1 instances learned those from their NOTIFY.
+-- Can go: in the first release after 0.2, once no 0.1 instance runs.
 CREATE OR REPLACE FUNCTION aq_admit_v1(
     p_job_id uuid, p_user_id text, p_run_id uuid, p_core_run_id text,
     p_thesis jsonb, p_sources jsonb, p_cost integer, p_delta_of uuid,
@@ -27,6 +28,7 @@ $$;
 
 -- 0.1's finish (queries.sql "finish"). Replaced by aq_finish_v2, which also says whether it
 -- refunded and returns every job it promoted, not only the first.
+-- Can go: in the first release after 0.2, once no 0.1 instance runs.
 CREATE OR REPLACE FUNCTION aq_finish_v1(
     p_job_id uuid, p_core_run_id text, p_user_id text,
     p_status text, p_from text[], p_delete boolean,
@@ -49,6 +51,7 @@ $$;
 
 -- The release before the ceiling called these when a user's slot freed; they follow the
 -- ceiling's rules (a pass when it is on).
+-- Can go: in the first release after 0.2, once no 0.1 instance runs.
 CREATE OR REPLACE FUNCTION aq_promote_locked_v1(p_user_id text) RETURNS analysis_jobs
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -74,6 +77,8 @@ $$;
 -- before any instance calls them again). aq_ceiling_v1 read the ceiling *and*, when off, took
 -- the global lock shared; every decision now does the two itself (docs/locking.md), reading
 -- with aq_ceiling_v2.
+-- Can go: in the first release after 0.2, once no 0.1 instance runs (nothing of 0.2 calls
+-- them; 0.1's bodies are replaced by 0.2's before any 0.1 instance restarts).
 CREATE OR REPLACE FUNCTION aq_ceiling_v1() RETURNS integer
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE

@@ -50,6 +50,8 @@ CATALOG = {
     "triggers": """
         SELECT t.tgrelid::regclass::text, t.tgname, pg_get_triggerdef(t.oid)
           FROM pg_trigger t WHERE NOT t.tgisinternal ORDER BY 1, 2""",
+    "views": """
+        SELECT viewname, md5(definition) FROM pg_views WHERE schemaname = 'public' ORDER BY 1""",
     "sequences": """
         SELECT sequencename, data_type, start_value, increment_by FROM pg_sequences
          WHERE schemaname = 'public' ORDER BY 1""",

@@ -31,7 +31,9 @@ CREATE_FUNCTION = re.compile(
 CREATE_TRIGGER = re.compile(
     r"^CREATE\s+(OR\s+REPLACE\s+)?TRIGGER\s+([a-z_0-9]+)", re.MULTILINE | re.IGNORECASE
 )
-CREATE_VIEW = re.compile(r"^CREATE\s+(OR\s+REPLACE\s+)?VIEW\s+", re.MULTILINE | re.IGNORECASE)
+CREATE_VIEW = re.compile(
+    r"^CREATE\s+(OR\s+REPLACE\s+)?VIEW\s+([a-z_0-9]*)", re.MULTILINE | re.IGNORECASE
+)
 
 
 # -- named queries -------------------------------------------------------------------------
@@ -112,10 +114,14 @@ def test_numbered_migrations_define_no_function_trigger_or_view() -> None:
 # -- repeatables: the database in the present tense ------------------------------------------
 
 
-def test_every_function_and_trigger_is_defined_once_and_re_applies() -> None:
+def test_every_function_trigger_and_view_is_defined_once_and_re_applies() -> None:
     functions: Counter[str] = Counter()
     triggers: Counter[str] = Counter()
+    views: Counter[str] = Counter()
     for repeatable in repeatables():
+        for match in CREATE_VIEW.finditer(repeatable.sql):
+            assert match.group(1), f"{repeatable.name}: {match.group(2)} is not OR REPLACE"
+            views[match.group(2)] += 1
         for match in CREATE_FUNCTION.finditer(repeatable.sql):
             assert match.group(1), f"{repeatable.name}: {match.group(2)} is not OR REPLACE"
             functions[match.group(2)] += 1
@@ -125,6 +131,7 @@ def test_every_function_and_trigger_is_defined_once_and_re_applies() -> None:
     assert {"aq_lock_user_v1", "aq_admit_v2", "aq_finish_v2", "aq_job_event_v2"} <= set(functions)
     assert [name for name, n in functions.items() if n > 1] == []
     assert [name for name, n in triggers.items() if n > 1] == []
+    assert views and [name for name, n in views.items() if n > 1] == []
     assert len(triggers) == 4
     # Functions come before the triggers that call them.
     names = [r.name for r in repeatables()]
