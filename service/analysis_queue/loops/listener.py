@@ -21,15 +21,15 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Protocol
 
 import pydantic
 
 from analysis_queue import errors
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import ChangeNotice
-from analysis_queue.store.database import Database
 from analysis_queue.store.listen import ListenConnection
 
 log = logging.getLogger(__name__)
@@ -44,10 +44,24 @@ class ListenerSettings:
     reconnect_max_s: float = 10.0  # cap of the reconnect backoff
 
 
+class ListenTarget(Protocol):
+    """Where the listener connects, and whose commits are this instance's own
+    (``store.database.Database``; tests substitute their own)."""
+
+    @property
+    def direct_dsn(self) -> str: ...
+
+    @property
+    def application_name(self) -> str: ...
+
+    @property
+    def backend_pids(self) -> Collection[int]: ...
+
+
 class Listener:
     def __init__(
         self,
-        db: Database,
+        db: ListenTarget,
         settings: ListenerSettings,
         metrics: Metrics,
         *,
