@@ -19,6 +19,7 @@ import random
 import re
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -194,6 +195,38 @@ async def mark_running(conn: asyncpg.Connection[Any], rng: random.Random) -> Non
     await conn.fetch(Q["jobs_mark_running"], [r["id"] for r in claimed], instance)
 
 
+async def release_retry(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
+    """A claim, then a failed release put back on its retry schedule (dispatch.py)."""
+    instance = f"inst-{rng.random()}"
+    pending = await conn.fetch("SELECT id FROM analysis_jobs WHERE status = 'pending'")
+    for row in await conn.fetch(Q["jobs_claim"], [r["id"] for r in pending], instance, 60):
+        await conn.execute(
+            Q["job_release_retry"], row["id"], instance, datetime.now(UTC), "Core is down"
+        )
+
+
+async def stale_reservations(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
+    """A reservation whose admit died, taken by the sweep, and put back when Core cannot be
+    told to cancel its held run (loops/sweep.py)."""
+    user, run_id, job_id = rng.choice(USERS), uuid.uuid4(), uuid.uuid4()
+    await _one(conn, Q["reserve"], user, run_id, job_id, 1, THESIS, [], None, None)
+    await conn.execute(
+        "UPDATE core_run_reservations SET created_at = now() - interval '1 hour' WHERE run_id = $1",
+        run_id,
+    )
+    for row in await conn.fetch(Q["reservation_take_stale"], 600, 10):
+        if rng.random() < 0.5:
+            await conn.execute(
+                Q["reservation_put_back"],
+                row["run_id"],
+                row["job_id"],
+                row["user_id"],
+                f"core-{row['run_id']}",
+                row["thesis"],
+                row["sources"],
+            )
+
+
 async def sweep(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
     """One sweep pass's statements, in its order (loops/sweep.py)."""
     for row in await conn.fetch(Q["sweep_users_to_promote"], 1000):
@@ -230,6 +263,8 @@ OPERATIONS: dict[str, Op] = {
     "claim": claim,
     "mark_running": mark_running,
     "sweep": sweep,
+    "release_retry": release_retry,
+    "stale_reservations": stale_reservations,
     "set_ceiling": set_ceiling,
     "set_limit": set_limit,
     "grant": grant,
