@@ -416,17 +416,21 @@ async def promotion_by_callback(
         return out
 
 
+async def _rows(dsn: str, sql: str) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return list(await conn.fetch(sql))
+    finally:
+        await conn.close()
+
+
 async def _release_gaps(dsn: str, runs: list[dict[str, Any]]) -> list[tuple[int, float]]:
     """The issue's own measure, on Core's clock alone: from Core ending a run (and sending its
     callback) to Core receiving the release of the same user's next run; ranked as above."""
     by_core_id = {r["id"]: r for r in runs}
-    conn = await asyncpg.connect(dsn)
-    try:
-        rows = await conn.fetch(
-            "SELECT user_id, core_run_id FROM analysis_jobs ORDER BY user_id, queue_seq"
-        )
-    finally:
-        await conn.close()
+    rows = await _rows(
+        dsn, "SELECT user_id, core_run_id FROM analysis_jobs ORDER BY user_id, queue_seq"
+    )
     gaps: list[tuple[int, float]] = []
     previous: dict[str, Any] = {}
     rank: dict[str, int] = {}
