@@ -395,11 +395,18 @@ async def _wait_all_terminal(dsn: str, total: int, timeout_s: float) -> float:
 
 
 async def promotion_by_callback(
-    server: str, tmp: Path, http: aiohttp.ClientSession, promotions: int, ceiling: int = 0
+    server: str,
+    tmp: Path,
+    http: aiohttp.ClientSession,
+    promotions: int,
+    ceiling: int = 0,
+    chains: int = 10,
 ) -> dict[str, Any]:
     """The production path: Core's callback finishes a job, whose transaction promotes the next
-    (with a ceiling: when the user's next job is the fairest, else a pass woken by NOTIFY)."""
-    users = [f"p{i}" for i in range(10)]
+    (with a ceiling: when the user's next job is the fairest, else a pass woken by NOTIFY).
+    ``chains`` users side by side, Core judging in 2 ms: ten keep the machine saturated, one
+    shows the path's own latency."""
+    users = [f"p{i}" for i in range(chains)]
     per_user = promotions // len(users) + 1
     env = {"JUDGE": "0.3", "GLOBAL_MAX_RUNNING": str(ceiling)}
     async with fresh_database(server) as dsn:
@@ -930,6 +937,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 n = 200 if args.quick else 1000
                 results["promotion"] = {
                     "callback_tail": await promotion_by_callback(server, tmp, http, n),
+                    "callback_one_chain": await promotion_by_callback(
+                        server, tmp, http, n // 2, chains=1
+                    ),
                     "notify": await promotion_external(server, tmp, http, n, listen=True),
                     "sweep_only_0.25s": await promotion_external(
                         server, tmp, http, min(n, 200), listen=False
