@@ -5,6 +5,7 @@ client is a layer of its own that imports nothing else of the package."""
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "service" / "analysis_queue"
@@ -141,3 +142,11 @@ def test_the_client_stands_apart() -> None:
         if module not in client and targets & client and _layer(module) != len(LAYERS) - 1
     )
     assert users == []
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest imports test modules by basename (rootdir, no packages): two of one name stop
+    the whole collection, so a new test file must not reuse a name."""
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert [name for name, n in names.items() if n > 1] == []
