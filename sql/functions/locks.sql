@@ -24,9 +24,8 @@ BEGIN
 END
 $$;
 
--- A user's lock if it is free now, else false at once: batches of decisions for many users
--- (admission and completion group commits) never wait for a user, so they cannot deadlock and
--- never make one user's neighbours wait for that user's lock holder.
+-- A user's lock if it is free now, else false at once: the reservation batch only tries, and
+-- aq_lock_users_v1 tries each user before it waits (docs/locking.md).
 CREATE OR REPLACE FUNCTION aq_try_lock_user_v1(p_user_id text) RETURNS boolean
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
