@@ -524,6 +524,9 @@ async def test_the_stream_delivers_every_event_once_across_its_ends(harness: Har
             running, ahead, behind = [await start(aq, 100 + k) for k in range(3)]
             assert behind.queue_position == 2
             await aq.delete_analysis(ahead.id)  # the job behind moves up: a position frame
+            # Wait for it before the job behind starts: read in one batch with that start, the
+            # deletion would leave no queued job to have moved.
+            await until(lambda: any(isinstance(e, PositionEvent) for e in got), "a position")
             h.sim.judge_time_s = 0.3
             await aq.cancel_analysis(running.id)  # and starts
             n = 0
