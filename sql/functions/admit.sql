@@ -236,8 +236,9 @@ $$;
 
 -- Outcomes: 'admitted' (job, queue_position, promoted as aq_admit_v2 returns them),
 -- 'insufficient_credits', 'reservation_gone' (the refusals aq_admit_v2 raises, decided here
--- before anything is written, so they roll back nothing of the batch), or 'busy'. The jobs an
--- admit started are claimed for p_instance, which releases them (aq_claim_started_v1).
+-- before anything is written, so they roll back nothing of the batch), or 'busy'. The jobs the
+-- admits started are claimed for p_instance, which releases them, all in one statement once
+-- every click is decided (aq_claim_started_v1), and the rows come back after it.
 CREATE OR REPLACE FUNCTION aq_admit_many_v1(
     p_items jsonb, p_instance text, p_lease_s double precision)
 RETURNS TABLE (item integer, outcome text, job analysis_jobs, queue_position bigint,
@@ -247,6 +248,20 @@ DECLARE
     r record;
     v_admitted record;
     v_busy text[] := '{}';
+    -- The answers, one per click, held until the claim: item, outcome, job, position.
+    v_item integer[] := '{}';
+    v_outcome text[] := '{}';
+    v_job analysis_jobs[] := '{}';
+    v_position bigint[] := '{}';
+    -- The jobs the batch started, in answer order: the range of each answer's in v_started
+    -- (v_from .. v_to), and whether it is the answer's own job or one it promoted.
+    v_started analysis_jobs[] := '{}';
+    v_own boolean[] := '{}';
+    v_from integer[] := '{}';
+    v_to integer[] := '{}';
+    v_p analysis_jobs;
+    n integer := 0;
+    k integer;
 BEGIN
     -- Held shared to commit, as every admit does with the ceiling off (and so that a change of
     -- the ceiling waits for this batch), and taken before any user's lock; the single-click
@@ -264,10 +279,10 @@ BEGIN
             request_hash text)
         ORDER BY x.item
     LOOP
-        item := r.item;
+        n := n + 1;
         job := NULL;
         queue_position := NULL;
-        promoted := '{}';
+        v_from := v_from || (cardinality(v_started) + 1);
         IF r.user_id = ANY (v_busy) THEN
             outcome := 'busy';
         ELSIF NOT aq_reservation_held_v1(r.run_id) THEN
@@ -284,13 +299,39 @@ BEGIN
                                r.request_hash) a;
             job := v_admitted.job;
             queue_position := v_admitted.queue_position;
-            promoted := aq_claim_started_v1(v_admitted.promoted, p_instance, p_lease_s);
+            FOREACH v_p IN ARRAY coalesce(v_admitted.promoted, '{}') LOOP
+                v_started := array_append(v_started, v_p);
+                v_own := v_own || false;
+            END LOOP;
             IF job.status = 'pending'
-               AND NOT job.id = ANY (ARRAY(SELECT x.id FROM unnest(promoted) x)) THEN
-                job := (aq_claim_started_v1(ARRAY[job], p_instance, p_lease_s))[1];
+               AND NOT job.id = ANY (ARRAY(SELECT x.id FROM unnest(v_admitted.promoted) x)) THEN
+                v_started := array_append(v_started, job);
+                v_own := v_own || true;
             END IF;
             outcome := 'admitted';
         END IF;
+        v_to := v_to || cardinality(v_started);
+        v_item := v_item || r.item;
+        v_outcome := v_outcome || outcome;
+        v_job := array_append(v_job, job);
+        v_position := v_position || queue_position;
+    END LOOP;
+    -- One claim for the whole batch (PostgreSQL prepares the table's CHECK constraints once
+    -- per writing statement), returned in the order given, claimed or as they were.
+    v_started := aq_claim_started_v1(v_started, p_instance, p_lease_s);
+    FOR i IN 1 .. n LOOP
+        item := v_item[i];
+        outcome := v_outcome[i];
+        job := v_job[i];
+        queue_position := v_position[i];
+        promoted := '{}';
+        FOR k IN v_from[i] .. v_to[i] LOOP
+            IF v_own[k] THEN
+                job := v_started[k];
+            ELSE
+                promoted := array_append(promoted, v_started[k]);
+            END IF;
+        END LOOP;
         RETURN NEXT;
     END LOOP;
 END

@@ -123,7 +123,8 @@ $$;
 -- p_items: [{"item": n, "core_run_id", "status", "from" (statuses), "error_code",
 -- "error_detail", "verdicts", "ran"}, ...].
 -- Outcomes: 'finished' (the columns of aq_finish_v2), 'unknown' (no such run), 'busy'. The
--- jobs a finish promoted are claimed for p_instance, which releases them (aq_claim_started_v1).
+-- jobs the finishes promoted are claimed for p_instance, which releases them, all in one
+-- statement once every report is finished (aq_claim_started_v1), and the rows come back after.
 CREATE OR REPLACE FUNCTION aq_finish_many_v1(
     p_items jsonb, p_instance text, p_lease_s double precision)
 RETURNS TABLE (item integer, outcome text, job analysis_jobs, old_status text, changed boolean,
@@ -134,6 +135,18 @@ DECLARE
     v_finished record;
     v_user text;
     v_busy text[] := '{}';
+    -- The answers, one per report, held until the claim.
+    v_item integer[] := '{}';
+    v_outcome text[] := '{}';
+    v_job analysis_jobs[] := '{}';
+    v_old text[] := '{}';
+    v_changed boolean[] := '{}';
+    v_refunded boolean[] := '{}';
+    -- The jobs the batch promoted, in answer order; each answer's range in it: v_from .. v_to.
+    v_started analysis_jobs[] := '{}';
+    v_from integer[] := '{}';
+    v_to integer[] := '{}';
+    n integer := 0;
 BEGIN
     PERFORM aq_lock_global_shared_v1();  -- as every finish with the ceiling off: before users
     v_busy := aq_lock_users_v1(
@@ -146,12 +159,12 @@ BEGIN
             error_detail text, verdicts jsonb, ran boolean)
         ORDER BY x.item
     LOOP
-        item := r.item;
+        n := n + 1;
         job := NULL;
         old_status := NULL;
         changed := false;
         refunded := false;
-        promoted := '{}';
+        v_from := v_from || (cardinality(v_started) + 1);
         SELECT j.user_id INTO v_user FROM analysis_jobs j WHERE j.core_run_id = r.core_run_id;
         IF NOT FOUND THEN
             outcome := 'unknown';
@@ -165,9 +178,28 @@ BEGIN
             old_status := v_finished.old_status;
             changed := v_finished.changed;
             refunded := v_finished.refunded;
-            promoted := aq_claim_started_v1(v_finished.promoted, p_instance, p_lease_s);
+            v_started := v_started || coalesce(v_finished.promoted, '{}');
             outcome := CASE WHEN job.id IS NULL THEN 'unknown' ELSE 'finished' END;
         END IF;
+        v_to := v_to || cardinality(v_started);
+        v_item := v_item || r.item;
+        v_outcome := v_outcome || outcome;
+        v_job := array_append(v_job, job);
+        v_old := v_old || old_status;
+        v_changed := v_changed || changed;
+        v_refunded := v_refunded || refunded;
+    END LOOP;
+    -- One claim for the whole batch (PostgreSQL prepares the table's CHECK constraints once
+    -- per writing statement), returned in the order given, claimed or as they were.
+    v_started := aq_claim_started_v1(v_started, p_instance, p_lease_s);
+    FOR i IN 1 .. n LOOP
+        item := v_item[i];
+        outcome := v_outcome[i];
+        job := v_job[i];
+        old_status := v_old[i];
+        changed := v_changed[i];
+        refunded := v_refunded[i];
+        promoted := coalesce(v_started[v_from[i] : v_to[i]], '{}');
         RETURN NEXT;
     END LOOP;
 END

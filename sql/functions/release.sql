@@ -7,14 +7,15 @@
 --
 -- A job's move to running writes an event, which locks its user's job_event_counters row until
 -- commit, so a batch over several users takes their locks first, as docs/locking.md says
--- ("mark running" and why).
+-- ("mark running" and why). Then one UPDATE moves them all: PostgreSQL prepares a table's
+-- CHECK constraints once per statement that writes it, so a statement per job paid for that
+-- once per job.
 CREATE OR REPLACE FUNCTION aq_mark_running_v1(p_job_ids uuid[], p_instance text)
 RETURNS SETOF analysis_jobs
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_user text;
-    v_id uuid;
-    v_job analysis_jobs;
+    v_users text[] := '{}';
 BEGIN
     PERFORM aq_lock_global_shared_v1();
     FOR v_user IN
@@ -23,24 +24,21 @@ BEGIN
          ORDER BY j.user_id
     LOOP
         PERFORM aq_lock_user_v1(v_user);
-        -- Fresh statements from here: they see what the user's last lock holder committed.
-        FOR v_id IN
-            SELECT j.id FROM analysis_jobs j
-             WHERE j.id = ANY (p_job_ids) AND j.user_id = v_user
-             ORDER BY j.id
-        LOOP
-            UPDATE analysis_jobs j
-               SET status = 'running', started_at = clock_timestamp(),
-                   updated_at = clock_timestamp(),
-                   claimed_by = NULL, claim_expires_at = NULL, next_release_at = NULL,
-                   error_code = NULL, error_detail = NULL
-             WHERE j.id = v_id AND j.status = 'pending' AND j.claimed_by = p_instance
-            RETURNING j.* INTO v_job;
-            IF FOUND THEN
-                RETURN NEXT v_job;
-            END IF;
-        END LOOP;
+        v_users := v_users || v_user;
     END LOOP;
+    IF cardinality(v_users) = 0 THEN
+        RETURN;
+    END IF;
+    -- A fresh statement: it sees what each user's last lock holder committed. Only the users
+    -- whose locks are held: a job is never moved without its user's lock.
+    RETURN QUERY
+    UPDATE analysis_jobs j
+       SET status = 'running', started_at = clock_timestamp(), updated_at = clock_timestamp(),
+           claimed_by = NULL, claim_expires_at = NULL, next_release_at = NULL,
+           error_code = NULL, error_detail = NULL
+     WHERE j.id = ANY (p_job_ids) AND j.user_id = ANY (v_users)
+       AND j.status = 'pending' AND j.claimed_by = p_instance
+    RETURNING j.*;
 END
 $$;
 
@@ -54,10 +52,7 @@ CREATE OR REPLACE FUNCTION aq_claim_started_v1(
 RETURNS analysis_jobs[]
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_claimed analysis_jobs[];
-    v_job analysis_jobs;
-    v_now analysis_jobs;
-    v_out analysis_jobs[] := '{}';
+    v_out analysis_jobs[];
 BEGIN
     IF p_instance IS NULL OR coalesce(cardinality(p_jobs), 0) = 0 THEN
         RETURN coalesce(p_jobs, '{}');
@@ -72,12 +67,10 @@ BEGIN
            AND j.status = 'pending'
            AND (j.claim_expires_at IS NULL OR j.claim_expires_at < clock_timestamp())
            AND (j.next_release_at IS NULL OR j.next_release_at <= clock_timestamp())
-        RETURNING j.*)
-    SELECT coalesce(array_agg(c), '{}') INTO v_claimed FROM claimed c;
-    FOREACH v_job IN ARRAY p_jobs LOOP
-        SELECT c.* INTO v_now FROM unnest(v_claimed) c WHERE c.id = v_job.id;
-        v_out := v_out || CASE WHEN FOUND THEN v_now ELSE v_job END;
-    END LOOP;
+        RETURNING j AS job)
+    SELECT array_agg(coalesce(c.job, p_jobs[s.n]) ORDER BY s.n) INTO v_out
+      FROM generate_subscripts(p_jobs, 1) AS s(n)
+      LEFT JOIN claimed c ON (c.job).id = (p_jobs[s.n]).id;
     RETURN v_out;
 END
 $$;
