@@ -149,9 +149,12 @@ DECLARE
     n integer := 0;
 BEGIN
     PERFORM aq_lock_global_shared_v1();  -- as every finish with the ceiling off: before users
+    -- Each report's user by its run, one index probe each (NULL for a run nobody has, which
+    -- aq_lock_users_v1 skips): as a join, the planner hashed the whole jobs table whenever it
+    -- judged it small, a seq scan per batch.
     v_busy := aq_lock_users_v1(
-        ARRAY(SELECT j.user_id FROM jsonb_to_recordset(p_items) AS x(core_run_id text)
-                JOIN analysis_jobs j ON j.core_run_id = x.core_run_id),
+        ARRAY(SELECT (SELECT j.user_id FROM analysis_jobs j WHERE j.core_run_id = x.core_run_id)
+                FROM jsonb_to_recordset(p_items) AS x(core_run_id text)),
         aq_batch_lock_wait_ms_v1());
     FOR r IN
         SELECT * FROM jsonb_to_recordset(p_items) AS x(
