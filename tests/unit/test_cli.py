@@ -25,3 +25,37 @@ def test_no_command_is_a_usage_error() -> None:
     )
     assert result.returncode == 2
     assert "usage: analysis-queue" in result.stderr
+
+
+# What a serving process is given before it reads its settings: the event loop and the young
+# generation's threshold (``cli._tune_gc``). Run as a process: both are process-wide.
+_RUNTIME = """
+import asyncio, gc, os, sys
+for name in list(os.environ):
+    if name.startswith("AQ_"):
+        del os.environ[name]
+from analysis_queue import cli
+default = gc.get_threshold()
+code = cli.main([sys.argv[1]])
+print(code, default, gc.get_threshold(), type(asyncio.get_event_loop_policy()).__module__)
+"""
+
+
+def test_serve_collects_the_young_generation_less_often_on_uvloop() -> None:
+    import gc
+
+    from analysis_queue.cli import EXIT_CONFIG, GC_YOUNG_THRESHOLD
+
+    default = gc.get_threshold()
+    result = subprocess.run(
+        [sys.executable, "-c", _RUNTIME, "serve"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    # Refused for its missing settings (78), after the runtime was set up.
+    expected = (GC_YOUNG_THRESHOLD, default[1], default[2])
+    assert result.stdout.strip().splitlines()[-1] == (
+        f"{EXIT_CONFIG} {default} {expected} uvloop"
+    ), result.stdout + result.stderr
