@@ -19,23 +19,29 @@ DECLARE
 BEGIN
     -- What waited for capacity under a ceiling that was just turned off: deltas start at once,
     -- first-pass jobs wait for their user again (the fill below starts those with room). One
-    -- statement, usually on no row.
-    FOR v_job IN
-        UPDATE analysis_jobs j
-           SET status = CASE WHEN j.delta_of_job_id IS NULL THEN 'queued' ELSE 'pending' END,
-               waiting_for = CASE WHEN j.delta_of_job_id IS NULL
-                                  THEN 'your_previous_analysis' END,
-               turn_key = NULL,
-               promoted_at = CASE WHEN j.delta_of_job_id IS NULL THEN NULL
-                                  ELSE clock_timestamp() END,
-               updated_at = clock_timestamp()
-         WHERE j.user_id = p_user_id AND j.status = 'queued' AND j.waiting_for = 'provider_capacity'
-        RETURNING j.*
-    LOOP
-        IF v_job.status = 'pending' THEN
-            RETURN NEXT v_job;
-        END IF;
-    END LOOP;
+    -- statement, when there is any such job: usually there is none, and a probe of the index
+    -- is cheaper than an UPDATE on no row (which opens every index of the table).
+    IF EXISTS (SELECT 1 FROM analysis_jobs j
+                WHERE j.user_id = p_user_id AND j.status = 'queued'
+                  AND j.waiting_for = 'provider_capacity') THEN
+        FOR v_job IN
+            UPDATE analysis_jobs j
+               SET status = CASE WHEN j.delta_of_job_id IS NULL THEN 'queued' ELSE 'pending' END,
+                   waiting_for = CASE WHEN j.delta_of_job_id IS NULL
+                                      THEN 'your_previous_analysis' END,
+                   turn_key = NULL,
+                   promoted_at = CASE WHEN j.delta_of_job_id IS NULL THEN NULL
+                                      ELSE clock_timestamp() END,
+                   updated_at = clock_timestamp()
+             WHERE j.user_id = p_user_id AND j.status = 'queued'
+               AND j.waiting_for = 'provider_capacity'
+            RETURNING j.*
+        LOOP
+            IF v_job.status = 'pending' THEN
+                RETURN NEXT v_job;
+            END IF;
+        END LOOP;
+    END IF;
     SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(p_user_id) s;
     v_free := v_limit - cardinality(v_used);  -- active jobs count whatever their numbers
     FOR v_slot IN 1..v_limit LOOP
