@@ -393,6 +393,19 @@ async def test_one_notification_per_transaction_naming_users_and_wakes(
                 " finished_at = clock_timestamp() WHERE user_id = 'bob'"
             )
         assert _decoded(await notes.until_barrier(conn)) == [{"bob": 0, "carol": 0, "dave": 0}]
+
+        # A user whose first change leaves no work and whose next one does is named once, as
+        # waking; user ids are JSON-escaped whatever they hold.
+        odd = 'q"uo\\te, ü'
+        async with conn.transaction():
+            await _insert_queued(conn, "erin")
+            await _insert_queued(conn, odd)
+            await conn.execute(
+                "UPDATE analysis_jobs SET status = 'pending', waiting_for = NULL, user_slot = 1,"
+                " promoted_at = clock_timestamp() WHERE user_id = 'erin'"
+            )
+            await _insert_queued(conn, "erin")
+        assert _decoded(await notes.until_barrier(conn)) == [{"erin": 1, odd: 0}]
     finally:
         await listen.close()
 
