@@ -776,7 +776,7 @@ async def raw_drain(
 
         async def job_done(conn: Any, job_id: uuid.UUID) -> uuid.UUID | None:
             await conn.fetch(q["jobs_claim"], [job_id], "raw", 60.0)
-            await conn.fetch(q["jobs_mark_running"], [job_id], "raw")
+            await conn.fetch(q["jobs_mark_running"], [job_id], "raw", True)
             row = await conn.fetchrow(
                 q["finish"],
                 job_id,

@@ -155,11 +155,12 @@ UPDATE analysis_jobs j
 RETURNING j.*, NULL::bigint AS queue_position;
 
 -- jobs_mark_running --
--- Core released the runs: $1 job ids, $2 the instance that claimed them (aq_mark_running_v1).
--- Returns the ids of the jobs moved (nobody reads more of them: a whole row per job was a
--- twelfth of the service's time in the drain). One commit, and one turn at NOTIFY's commit
--- lock, for every release that completed while the previous one was being written.
-SELECT j.id FROM aq_mark_running_v1($1::uuid[], $2) j;
+-- Core released the runs: $1 job ids, $2 the instance that claimed them, $3 whether to wait for
+-- users' locks held elsewhere (aq_mark_running_v2). Returns each job still pending for $2 and
+-- whether it moved (nobody reads more of them: a whole row per job was a twelfth of the
+-- service's time in the drain). One commit, and one turn at NOTIFY's commit lock, for every
+-- release that completed while the previous one was being written.
+SELECT m.job_id, m.moved FROM aq_mark_running_v2($1::uuid[], $2, $3) m;
 
 -- job_release_retry --
 -- A release attempt failed and may be retried: $1 job id, $2 instance id, $3 next attempt at,

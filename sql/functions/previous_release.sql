@@ -96,3 +96,19 @@ CREATE OR REPLACE FUNCTION aq_ceiling_held_v1() RETURNS integer
 LANGUAGE sql VOLATILE AS $$
     SELECT s.global_max_running FROM queue_settings s
 $$;
+
+-- 0.1's running marks (queries.sql "jobs_mark_running"). Replaced by aq_mark_running_v2, which
+-- can leave users whose locks are held elsewhere to a second, waiting call, and returns ids.
+-- Can go: in the first release after 0.2, once no 0.1 instance runs.
+CREATE OR REPLACE FUNCTION aq_mark_running_v1(p_job_ids uuid[], p_instance text)
+RETURNS SETOF analysis_jobs
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_moved uuid[];
+BEGIN
+    SELECT coalesce(array_agg(m.job_id), '{}') INTO v_moved
+      FROM aq_mark_running_v2(p_job_ids, p_instance, true) m
+     WHERE m.moved;
+    RETURN QUERY SELECT j.* FROM analysis_jobs j WHERE j.id = ANY (v_moved);
+END
+$$;

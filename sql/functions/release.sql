@@ -2,20 +2,27 @@
 -- compare-and-set statements in sql/queries.sql: jobs_claim, job_release_retry.)
 
 -- Core released these claimed runs: mark their jobs running, many in one transaction.
--- $1 job ids, $2 the instance that claimed them. Returns the jobs moved; a job that moved on
--- meanwhile (a fast completion callback may already have finished it) is left as it is.
+-- $1 job ids, $2 the instance that claimed them, $3 whether to wait for a user's lock held
+-- elsewhere. Returns, for each job still pending and claimed by $2, whether it moved to running;
+-- a job that moved on meanwhile (a fast completion callback may already have finished it) is
+-- left as it is and not returned.
 --
 -- A job's move to running writes an event, which locks its user's job_event_counters row until
--- commit, so a batch over several users takes their locks first, as docs/locking.md says
--- ("mark running" and why). Then one UPDATE moves them all: PostgreSQL prepares a table's
--- CHECK constraints once per statement that writes it, so a statement per job paid for that
--- once per job.
-CREATE OR REPLACE FUNCTION aq_mark_running_v1(p_job_ids uuid[], p_instance text)
-RETURNS SETOF analysis_jobs
+-- commit, so a batch over several users takes their locks first, sorted, as docs/locking.md
+-- says ("mark running" and why). Without p_wait it only tries them: a user whose lock is held
+-- elsewhere (most often by the finish of that very job) is left out, and the batch neither
+-- waits nor holds the locks it has while another transaction finishes; its caller asks again,
+-- waiting, for those jobs alone (queue/dispatch.py). Then one UPDATE moves all the jobs whose
+-- users it holds: PostgreSQL prepares a table's CHECK constraints once per statement that
+-- writes it, so a statement per job paid for that once per job.
+CREATE OR REPLACE FUNCTION aq_mark_running_v2(
+    p_job_ids uuid[], p_instance text, p_wait boolean)
+RETURNS TABLE (job_id uuid, moved boolean)
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     v_user text;
     v_users text[] := '{}';
+    v_busy text[] := '{}';
 BEGIN
     PERFORM aq_lock_global_shared_v1();
     FOR v_user IN
@@ -23,22 +30,32 @@ BEGIN
          WHERE j.id = ANY (p_job_ids) AND j.status = 'pending' AND j.claimed_by = p_instance
          ORDER BY j.user_id
     LOOP
-        PERFORM aq_lock_user_v1(v_user);
+        IF p_wait THEN
+            PERFORM aq_lock_user_v1(v_user);
+        ELSIF NOT aq_try_lock_user_v1(v_user) THEN
+            v_busy := v_busy || v_user;
+            CONTINUE;
+        END IF;
         v_users := v_users || v_user;
     END LOOP;
-    IF cardinality(v_users) = 0 THEN
-        RETURN;
+    IF cardinality(v_users) > 0 THEN
+        -- A fresh statement: it sees what each user's last lock holder committed. Only the
+        -- users whose locks are held: a job is never moved without its user's lock.
+        RETURN QUERY
+        UPDATE analysis_jobs j
+           SET status = 'running', started_at = clock_timestamp(),
+               updated_at = clock_timestamp(), claimed_by = NULL, claim_expires_at = NULL,
+               next_release_at = NULL, error_code = NULL, error_detail = NULL
+         WHERE j.id = ANY (p_job_ids) AND j.user_id = ANY (v_users)
+           AND j.status = 'pending' AND j.claimed_by = p_instance
+        RETURNING j.id, true;
     END IF;
-    -- A fresh statement: it sees what each user's last lock holder committed. Only the users
-    -- whose locks are held: a job is never moved without its user's lock.
-    RETURN QUERY
-    UPDATE analysis_jobs j
-       SET status = 'running', started_at = clock_timestamp(), updated_at = clock_timestamp(),
-           claimed_by = NULL, claim_expires_at = NULL, next_release_at = NULL,
-           error_code = NULL, error_detail = NULL
-     WHERE j.id = ANY (p_job_ids) AND j.user_id = ANY (v_users)
-       AND j.status = 'pending' AND j.claimed_by = p_instance
-    RETURNING j.*;
+    IF cardinality(v_busy) > 0 THEN
+        RETURN QUERY
+        SELECT j.id, false FROM analysis_jobs j
+         WHERE j.id = ANY (p_job_ids) AND j.user_id = ANY (v_busy)
+           AND j.status = 'pending' AND j.claimed_by = p_instance;
+    END IF;
 END
 $$;
 

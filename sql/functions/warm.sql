@@ -31,7 +31,7 @@ BEGIN
                   FROM jsonb_array_elements(v_items) i);
     PERFORM aq_admit_many_v1(v_items, 'warm-up', 1);
     -- The first job runs, then Core reports it done: its finish promotes the second.
-    PERFORM aq_mark_running_v1(ARRAY[v_jobs[1]], 'warm-up');
+    PERFORM aq_mark_running_v2(ARRAY[v_jobs[1]], 'warm-up', false);
     PERFORM aq_finish_many_v1(
         jsonb_build_array(jsonb_build_object(
             'item', 0, 'core_run_id', 'warm-' || v_jobs[1], 'status', 'succeeded',

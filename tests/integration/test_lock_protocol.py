@@ -192,7 +192,11 @@ async def mark_running(conn: asyncpg.Connection[Any], rng: random.Random) -> Non
     instance = f"inst-{rng.random()}"
     pending = await conn.fetch("SELECT id FROM analysis_jobs WHERE status = 'pending'")
     claimed = await conn.fetch(Q["jobs_claim"], [r["id"] for r in pending], instance, 60)
-    await conn.fetch(Q["jobs_mark_running"], [r["id"] for r in claimed], instance)
+    ids = [r["id"] for r in claimed]
+    marked = await conn.fetch(Q["jobs_mark_running"], ids, instance, False)
+    busy = [r["job_id"] for r in marked if not r["moved"]]
+    if busy:  # then those left, waiting (dispatch.py)
+        await conn.fetch(Q["jobs_mark_running"], busy, instance, True)
 
 
 async def release_retry(conn: asyncpg.Connection[Any], rng: random.Random) -> None:

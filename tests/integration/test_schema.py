@@ -690,3 +690,33 @@ async def test_a_batch_of_running_marks_waits_for_a_finish_of_the_same_user(
     finally:
         await finisher.close()
     assert set(moved) == {first.id}, "the finished job stays finished"
+
+
+async def test_running_marks_that_only_try_leave_a_busy_user_and_do_not_wait(
+    db: Database, database_url: str
+) -> None:
+    """Not waiting, a batch marks the users whose locks are free and says which jobs it left,
+    at once, holding nothing after its commit; the waiting call then marks those, once their
+    user's lock holder is done (the dispatcher's two statements)."""
+    free, held = await _admit(db, "try-free"), await _admit(db, "try-held")
+    ids = [free.id, held.id]
+    assert set(await db.claim(ids, "inst-a", 60)) == set(ids)
+    holder = await asyncpg.connect(database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT aq_lock_user_v1('try-held')")
+        tried = await asyncio.wait_for(db.mark_running(ids, "inst-a", wait=False), 5)
+        assert tried == {free.id: True, held.id: False}
+        waiting = asyncio.create_task(db.mark_running([held.id], "inst-a", wait=True))
+        await wait_until_blocked(database_url, holder.get_server_pid())
+        assert not waiting.done()
+        await tx.commit()
+        assert await asyncio.wait_for(waiting, 5) == {held.id: True}
+    finally:
+        await holder.close()
+    rows = await fetch(
+        database_url, "SELECT status FROM analysis_jobs WHERE id = ANY($1::uuid[])", ids
+    )
+    assert {r["status"] for r in rows} == {"running"}
+    assert await db.mark_running(ids, "inst-a", wait=False) == {}, "nothing left to mark"

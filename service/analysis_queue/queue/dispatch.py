@@ -97,12 +97,23 @@ class Dispatcher:
             on_batch=metrics.batch_counter("claim"),
         )
         self._running: GroupCommit[UUID, bool] = GroupCommit(
-            lambda ids: db.mark_running(ids, settings.instance_id),
-            on_batch=metrics.batch_counter("running"),
+            self._mark_running, on_batch=metrics.batch_counter("running")
         )
         self._stopping = False
         self.released = 0  # counters for tests and metrics
         self.gave_up = 0
+
+    async def _mark_running(self, job_ids: list[UUID]) -> dict[UUID, bool]:
+        """One batch of running marks. The statement only tries its users' locks, so that it
+        never holds some while it waits for another (most often held by the finish of that very
+        job, Core being quick); the jobs it had to leave are marked by a second statement that
+        waits, and usually finds them finished. Returns the jobs moved to running."""
+        instance = self.settings.instance_id
+        marked = await self.db.mark_running(job_ids, instance, wait=False)
+        busy = [job_id for job_id, moved in marked.items() if not moved]
+        if busy:
+            marked.update(await self.db.mark_running(busy, instance, wait=True))
+        return {job_id: True for job_id, moved in marked.items() if moved}
 
     def submit(self, job_id: UUID) -> None:
         """Release ``job_id`` soon. A job already in flight here is not submitted twice; one

@@ -558,10 +558,14 @@ class Database:
         rows = await self._fetch("jobs_claim", sorted(set(job_ids)), instance_id, lease_s)
         return {job.id: job for job in map(Job.from_row, rows)}
 
-    async def mark_running(self, job_ids: Sequence[UUID], instance_id: str) -> dict[UUID, bool]:
-        """Core released these claimed jobs; the ones moved to running, each mapped to True."""
-        rows = await self._fetch("jobs_mark_running", sorted(set(job_ids)), instance_id)
-        return {row["id"]: True for row in rows}
+    async def mark_running(
+        self, job_ids: Sequence[UUID], instance_id: str, *, wait: bool = True
+    ) -> dict[UUID, bool]:
+        """Core released these claimed jobs: each one still pending for ``instance_id``, mapped
+        to whether it moved to running. Not waiting, a job whose user's lock another transaction
+        holds stays pending (False), for a call that waits; a job that moved on is left out."""
+        rows = await self._fetch("jobs_mark_running", sorted(set(job_ids)), instance_id, wait)
+        return {row["job_id"]: row["moved"] for row in rows}
 
     async def schedule_release_retry(
         self, job_id: UUID, instance_id: str, at: datetime, detail: str
