@@ -17,7 +17,12 @@ from typing import Any
 
 import asyncpg
 import pytest
+from analysis_queue.core.client import CoreClient
+from analysis_queue.metrics import Metrics
 from analysis_queue.models import Job
+from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
+from analysis_queue.queue.finish import Finisher
+from analysis_queue.queue.followup import FollowUp
 from analysis_queue.store.database import Database
 from analysis_queue.store.listen import JOBS_CHANNEL
 from analysis_queue.store.sqlfiles import migrations, queries, repeatables
@@ -720,3 +725,38 @@ async def test_running_marks_that_only_try_leave_a_busy_user_and_do_not_wait(
     )
     assert {r["status"] for r in rows} == {"running"}
     assert await db.mark_running(ids, "inst-a", wait=False) == {}, "nothing left to mark"
+
+
+async def test_the_dispatcher_commits_the_free_users_marks_before_it_waits_for_a_busy_one(
+    db: Database, database_url: str
+) -> None:
+    """The dispatcher's batch of running marks: the first statement commits the free user's
+    job while another transaction holds the busy user's lock; a second statement waits for
+    that lock, and the busy job is counted as left to it."""
+    metrics = Metrics()
+    core = CoreClient("http://127.0.0.1:9")  # never called: marks only
+    followup = FollowUp(metrics)
+    finisher = Finisher(db, core, followup, metrics)
+    dispatcher = Dispatcher(db, core, DispatchSettings(instance_id="inst-a"), finisher, metrics)
+    free, held = await _admit(db, "mark-free"), await _admit(db, "mark-held")
+    assert set(await db.claim([free.id, held.id], "inst-a", 60)) == {free.id, held.id}
+    holder = await asyncpg.connect(database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT aq_lock_user_v1('mark-held')")
+        marking = asyncio.create_task(dispatcher._mark_running([free.id, held.id]))
+        await wait_until_blocked(database_url, holder.get_server_pid())
+        status = await fetch(
+            database_url, "SELECT status FROM analysis_jobs WHERE id = $1", free.id
+        )
+        assert status[0]["status"] == "running", "committed before the wait"
+        assert not marking.done()
+        await tx.commit()
+        assert await asyncio.wait_for(marking, 5) == {free.id: True, held.id: True}
+    finally:
+        await holder.close()
+    left = metrics.registry.get_sample_value(
+        "aq_group_commit_alone_total", {"what": "running", "reason": "busy"}
+    )
+    assert left == 1

@@ -99,6 +99,7 @@ class Dispatcher:
         self._running: GroupCommit[UUID, bool] = GroupCommit(
             self._mark_running, on_batch=metrics.batch_counter("running")
         )
+        self._running_left = metrics.alone_counter("running")
         self._stopping = False
         self.released = 0  # counters for tests and metrics
         self.gave_up = 0
@@ -112,6 +113,8 @@ class Dispatcher:
         marked = await self.db.mark_running(job_ids, instance, wait=False)
         busy = [job_id for job_id, moved in marked.items() if not moved]
         if busy:
+            for _ in busy:
+                self._running_left("busy")
             marked.update(await self.db.mark_running(busy, instance, wait=True))
         return {job_id: True for job_id, moved in marked.items() if moved}
 
