@@ -760,3 +760,7 @@ async def test_the_dispatcher_commits_the_free_users_marks_before_it_waits_for_a
         "aq_group_commit_alone_total", {"what": "running", "reason": "busy"}
     )
     assert left == 1
+    statements = metrics.registry.get_sample_value(
+        "aq_group_commit_statements_total", {"what": "running"}
+    )
+    assert statements == 1, "the waiting statement (the batch's own is counted by its group)"

@@ -115,6 +115,7 @@ class Dispatcher:
         if busy:
             for _ in busy:
                 self._running_left("busy")
+            self.metrics.group_commit_statements.labels("running").inc()  # the second one
             marked.update(await self.db.mark_running(busy, instance, wait=True))
         return {job_id: True for job_id, moved in marked.items() if moved}
 
