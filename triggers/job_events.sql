@@ -1,62 +1,169 @@
--- job_events: write a job_events row in the transaction of every job change.
+-- job_events: record every job change, once per statement: its row in job_events, and its
+-- user in the transaction's wake-up list that job_notify.sql turns into one NOTIFY at commit.
 --
--- Fires on exactly what job_notify.sql notifies, so every committed event comes with a NOTIFY
--- on aq_jobs_v1 that wakes the instances' event hubs (which read the events from the table).
--- Kinds (analysis_queue.models.EventKind): admitted (insert), deleted (deleted_at set; the job
--- keeps its final status), waiting (a queued job's wait changed), promoted (-> pending),
--- started (-> running), finished (-> succeeded | failed), cancelled (-> cancelled), changed
--- (any other move, e.g. a manual fix).
+-- What counts as a change: an insert, and an update that moves status, deleted_at, or a queued
+-- job's wait. Kinds (analysis_queue.models.EventKind): admitted (insert), deleted (deleted_at
+-- set; the job keeps its final status), waiting (a queued job's wait changed), promoted
+-- (-> pending), started (-> running), finished (-> succeeded | failed), cancelled
+-- (-> cancelled), changed (any other move, e.g. a manual fix). Bookkeeping updates (claims,
+-- attempts, polls) are no change: they write no event and wake nobody.
 --
--- Ids are per user, dense and in commit order: the UPDATE of the user's counter row holds that
--- row's lock until commit, so the user's next event-writing transaction takes the next id only
--- after this one committed, and a rollback gives its id back. The counter row is the last lock
--- its writer takes (docs/locking.md).
+-- Ids are per user, dense and in commit order: the statement adds its count of the user's
+-- changes to the user's counter row (inserted on first use), which holds that row's lock until
+-- commit, so the user's next event-writing transaction takes its ids only after this one
+-- committed, and a rollback gives them back. Within a statement a user's events follow
+-- admission order (queue_seq). The counter row is the last lock its writer takes, and a
+-- statement over several users takes their counters sorted (docs/locking.md).
+--
+-- Statement-level, with transition tables: a statement that changes n jobs costs two
+-- statements here, not 3n (a row trigger paid an UPDATE and an INSERT per row, each prepared on
+-- its own, and a second trigger call for the wake-up list: docs/benchmarks.md). Transition
+-- tables cannot name columns, so every UPDATE of analysis_jobs fires this; one that changes
+-- nothing costs the query that finds so.
 
-CREATE OR REPLACE FUNCTION aq_job_event_v2() RETURNS trigger
+-- The row triggers this replaced, dropped in the transaction that creates their successor, so
+-- no change goes unrecorded between the two. Migration 0015 keeps an older instance restarting
+-- during the roll from putting them back (docs/operations.md).
+DROP TRIGGER IF EXISTS analysis_jobs_event_insert_v2 ON analysis_jobs;
+DROP TRIGGER IF EXISTS analysis_jobs_event_update_v2 ON analysis_jobs;
+DROP TRIGGER IF EXISTS analysis_jobs_notice_insert_v1 ON analysis_jobs;
+DROP TRIGGER IF EXISTS analysis_jobs_notice_update_v1 ON analysis_jobs;
+DROP FUNCTION IF EXISTS aq_job_event_v2();
+DROP FUNCTION IF EXISTS aq_job_notice_v1();
+
+-- The wake-up list (the setting aq.changed, transaction-local) is plain text, so that adding to
+-- it costs a string search, not a JSON parse: the epoch of the transaction's first change, then
+-- one entry per user and wake, E'\x1f' || wake || user id || E'\x1f'. Wake is 1 when a change
+-- may leave work for someone (a job left pending/running, or became pending), else 0; a user
+-- who woke after a change that did not appears twice, and the note takes the larger. User ids
+-- hold no control characters (http/auth.py), so an entry is found only where it starts. Past
+-- 7,500 bytes the note could not be smaller: the list becomes the epoch and E'\x1f\x1e', the
+-- overflow, and takes no more entries.
+CREATE OR REPLACE FUNCTION aq_job_changes_v1() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_kind text;
+    -- The statement's changes, sorted by user, then admission order; and their event ids.
+    v_users text[];
+    v_jobs uuid[];
+    v_kinds text[];
+    v_wakes text[];
+    v_ids bigint[] := '{}';
+    -- Per user (sorted): the count of changes, the larger wake, and the counter after them.
+    v_user text[] := '{}';
+    v_count integer[] := '{}';
+    v_wake text[] := '{}';
+    v_last bigint[];
     v_id bigint;
+    d integer := 0;
+    v_list text;
+    v_add text := '';
 BEGIN
     IF TG_OP = 'INSERT' THEN
-        v_kind := 'admitted';
-    ELSIF NEW.deleted_at IS NOT NULL AND OLD.deleted_at IS NULL THEN
-        v_kind := 'deleted';
-    ELSIF NEW.status = OLD.status AND NEW.status = 'queued' THEN
-        v_kind := 'waiting';
+        SELECT array_agg(c.user_id), array_agg(c.id), array_agg(c.kind), array_agg(c.wake)
+          INTO v_users, v_jobs, v_kinds, v_wakes
+          FROM (SELECT n.user_id, n.id, 'admitted'::text AS kind,
+                       CASE WHEN n.status = 'pending' THEN '1' ELSE '0' END AS wake
+                  FROM aq_new n
+                 ORDER BY n.user_id, n.queue_seq) c;
     ELSE
-        v_kind := CASE NEW.status
-            WHEN 'pending' THEN 'promoted'
-            WHEN 'running' THEN 'started'
-            WHEN 'succeeded' THEN 'finished'
-            WHEN 'failed' THEN 'finished'
-            WHEN 'cancelled' THEN 'cancelled'
-            ELSE 'changed' END;
+        SELECT array_agg(c.user_id), array_agg(c.id), array_agg(c.kind), array_agg(c.wake)
+          INTO v_users, v_jobs, v_kinds, v_wakes
+          FROM (SELECT n.user_id, n.id,
+                       CASE
+                           WHEN n.deleted_at IS NOT NULL AND o.deleted_at IS NULL THEN 'deleted'
+                           WHEN n.status = o.status AND n.status = 'queued' THEN 'waiting'
+                           ELSE CASE n.status
+                               WHEN 'pending' THEN 'promoted'
+                               WHEN 'running' THEN 'started'
+                               WHEN 'succeeded' THEN 'finished'
+                               WHEN 'failed' THEN 'finished'
+                               WHEN 'cancelled' THEN 'cancelled'
+                               ELSE 'changed' END
+                       END AS kind,
+                       CASE WHEN (o.status IN ('pending', 'running')
+                                  AND (n.status NOT IN ('pending', 'running')
+                                       OR (n.deleted_at IS NOT NULL AND o.deleted_at IS NULL)))
+                                 OR (n.status = 'pending' AND o.status <> 'pending')
+                            THEN '1' ELSE '0' END AS wake
+                  FROM aq_new n JOIN aq_old o ON o.id = n.id
+                 WHERE o.status IS DISTINCT FROM n.status
+                    OR o.deleted_at IS DISTINCT FROM n.deleted_at
+                    OR (n.status = 'queued' AND o.waiting_for IS DISTINCT FROM n.waiting_for)
+                 ORDER BY n.user_id, n.queue_seq) c;
     END IF;
-
-    UPDATE job_event_counters SET last_id = last_id + 1
-     WHERE user_id = NEW.user_id
-    RETURNING last_id INTO v_id;
-    IF NOT FOUND THEN
-        INSERT INTO job_event_counters AS c (user_id, last_id) VALUES (NEW.user_id, 1)
-        ON CONFLICT (user_id) DO UPDATE SET last_id = c.last_id + 1
-        RETURNING c.last_id INTO v_id;
+    IF v_users IS NULL THEN
+        RETURN NULL;
     END IF;
+    -- Simple expressions from here to the counter (no query each): the users, their counts
+    -- and wakes, from the sorted changes.
+    FOR i IN 1 .. cardinality(v_users) LOOP
+        IF d = 0 OR v_user[d] <> v_users[i] THEN
+            d := d + 1;
+            v_user[d] := v_users[i];
+            v_count[d] := 0;
+            v_wake[d] := '0';
+        END IF;
+        v_count[d] := v_count[d] + 1;
+        v_wake[d] := greatest(v_wake[d], v_wakes[i]);
+    END LOOP;
 
+    -- Each user's counter moves by their count of changes; their events take the ids below it.
+    IF d = 1 THEN
+        UPDATE job_event_counters k SET last_id = k.last_id + v_count[1]
+         WHERE k.user_id = v_user[1]
+        RETURNING ARRAY[k.last_id] INTO v_last;
+    END IF;
+    IF v_last IS NULL THEN  -- several users, or a first event
+        WITH u AS (
+            INSERT INTO job_event_counters AS k (user_id, last_id)
+            SELECT c.u, c.n FROM unnest(v_user, v_count) AS c(u, n) ORDER BY c.u
+            ON CONFLICT (user_id) DO UPDATE SET last_id = k.last_id + EXCLUDED.last_id
+            RETURNING k.user_id, k.last_id)
+        SELECT array_agg(u.last_id ORDER BY u.user_id) INTO v_last FROM u;
+    END IF;
+    d := 0;
+    FOR i IN 1 .. cardinality(v_users) LOOP
+        IF d = 0 OR v_user[d] <> v_users[i] THEN
+            d := d + 1;
+            v_id := v_last[d] - v_count[d];
+        END IF;
+        v_id := v_id + 1;
+        v_ids[i] := v_id;
+    END LOOP;
     INSERT INTO job_events (user_id, event_id, job_id, kind, created_at)
-    VALUES (NEW.user_id, v_id, NEW.id, v_kind, clock_timestamp());
+    SELECT e.u, e.id, e.j, e.k, clock_timestamp()
+      FROM unnest(v_users, v_ids, v_jobs, v_kinds) AS e(u, id, j, k);
+
+    v_list := coalesce(current_setting('aq.changed', true), '');
+    IF right(v_list, 1) = E'\x1e' THEN
+        RETURN NULL;  -- overflowed: listeners re-read everything
+    END IF;
+    FOR i IN 1 .. d LOOP
+        CONTINUE WHEN strpos(v_list, E'\x1f1' || v_user[i] || E'\x1f') > 0
+                   OR (v_wake[i] = '0' AND strpos(v_list, E'\x1f0' || v_user[i] || E'\x1f') > 0);
+        v_add := v_add || E'\x1f' || v_wake[i] || v_user[i] || E'\x1f';
+    END LOOP;
+    IF v_add = '' THEN
+        RETURN NULL;  -- the list says so already
+    END IF;
+    IF v_list = '' THEN
+        v_list := extract(epoch FROM clock_timestamp())::text;
+    END IF;
+    v_list := v_list || v_add;
+    IF octet_length(v_list) > 7500 THEN
+        v_list := split_part(v_list, E'\x1f', 1) || E'\x1f\x1e';
+    END IF;
+    PERFORM set_config('aq.changed', v_list, true);
     RETURN NULL;
 END
 $$;
 
-CREATE OR REPLACE TRIGGER analysis_jobs_event_insert_v2
+CREATE OR REPLACE TRIGGER analysis_jobs_changes_insert_v1
     AFTER INSERT ON analysis_jobs
-    FOR EACH ROW EXECUTE FUNCTION aq_job_event_v2();
+    REFERENCING NEW TABLE AS aq_new
+    FOR EACH STATEMENT EXECUTE FUNCTION aq_job_changes_v1();
 
-CREATE OR REPLACE TRIGGER analysis_jobs_event_update_v2
-    AFTER UPDATE OF status, deleted_at, waiting_for ON analysis_jobs
-    FOR EACH ROW
-    WHEN (OLD.status IS DISTINCT FROM NEW.status
-          OR OLD.deleted_at IS DISTINCT FROM NEW.deleted_at
-          OR (NEW.status = 'queued' AND OLD.waiting_for IS DISTINCT FROM NEW.waiting_for))
-    EXECUTE FUNCTION aq_job_event_v2();
+CREATE OR REPLACE TRIGGER analysis_jobs_changes_update_v1
+    AFTER UPDATE ON analysis_jobs
+    REFERENCING OLD TABLE AS aq_old NEW TABLE AS aq_new
+    FOR EACH STATEMENT EXECUTE FUNCTION aq_job_changes_v1();

@@ -10,7 +10,7 @@
 --
 -- Channel aq_jobs_v2. Payload (JSON, under 7,500 bytes whatever the transaction changed;
 -- analysis_queue.models.ChangeNotice reads it):
---   {"v": 2, "at": epoch seconds of the transaction's first change,
+--   {"v": 2, "at": epoch seconds of the transaction's first change (the end of its statement),
 --    "u": {user id: 1 if a change of theirs may leave work (a job left pending/running, or
 --          became pending), else 0, ...}}
 -- or, when the users would not fit, {"v": 2, "at": ..., "overflow": true}: listeners then
@@ -20,42 +20,8 @@
 -- attempts, polls) must not flood the channel. Fires on exactly what job_events.sql logs, so
 -- every committed event comes with a wake-up.
 --
--- The list is plain text, so that a changed row costs a string search, not a JSON parse:
--- the first change's epoch, then one entry per user and wake, E'\x1f' || wake || user id ||
--- E'\x1f' (a user who woke after a change that did not appears twice; the note takes the
--- larger). User ids hold no control characters (http/auth.py), so an entry is found only where
--- it starts. Past 7,500 bytes the JSON could not be smaller: the list becomes the epoch and
--- E'\x1f\x1e', the overflow, and takes no more entries.
-
-CREATE OR REPLACE FUNCTION aq_job_notice_v1() RETURNS trigger
-LANGUAGE plpgsql AS $$
-DECLARE
-    v_old text := CASE WHEN TG_OP = 'INSERT' THEN NULL ELSE OLD.status END;
-    v_wake text := '0';
-    v_list text;
-BEGIN
-    IF (v_old IN ('pending', 'running')
-        AND (NEW.status NOT IN ('pending', 'running')
-             OR (NEW.deleted_at IS NOT NULL AND OLD.deleted_at IS NULL)))
-       OR (NEW.status = 'pending' AND v_old IS DISTINCT FROM 'pending') THEN
-        v_wake := '1';
-    END IF;
-    v_list := current_setting('aq.changed', true);
-    IF v_list IS NULL OR v_list = '' THEN
-        v_list := extract(epoch FROM clock_timestamp())::text;
-    ELSIF right(v_list, 1) = E'\x1e'
-          OR strpos(v_list, E'\x1f1' || NEW.user_id || E'\x1f') > 0
-          OR (v_wake = '0' AND strpos(v_list, E'\x1f0' || NEW.user_id || E'\x1f') > 0) THEN
-        RETURN NULL;  -- the list says so already (or overflowed): nothing to write
-    END IF;
-    v_list := v_list || E'\x1f' || v_wake || NEW.user_id || E'\x1f';
-    IF octet_length(v_list) > 7500 THEN
-        v_list := split_part(v_list, E'\x1f', 1) || E'\x1f\x1e';
-    END IF;
-    PERFORM set_config('aq.changed', v_list, true);
-    RETURN NULL;
-END
-$$;
+-- The list (its format: job_events.sql) is the setting aq.changed, which the statement trigger
+-- in job_events.sql extends, transaction-local, with the users of every change.
 
 -- At commit, once for each row of the first statement that changed jobs (see the triggers
 -- below): the first firing writes the note (kept in aq.note with the length of the list it was
@@ -94,21 +60,9 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE TRIGGER analysis_jobs_notice_insert_v1
-    AFTER INSERT ON analysis_jobs
-    FOR EACH ROW EXECUTE FUNCTION aq_job_notice_v1();
-
-CREATE OR REPLACE TRIGGER analysis_jobs_notice_update_v1
-    AFTER UPDATE OF status, deleted_at, waiting_for ON analysis_jobs
-    FOR EACH ROW
-    WHEN (OLD.status IS DISTINCT FROM NEW.status
-          OR OLD.deleted_at IS DISTINCT FROM NEW.deleted_at
-          OR (NEW.status = 'queued' AND OLD.waiting_for IS DISTINCT FROM NEW.waiting_for))
-    EXECUTE FUNCTION aq_job_notice_v1();
-
 -- Constraint triggers have no OR REPLACE: made again whenever this file changes.
--- A constraint trigger's WHEN is evaluated as the row changes, not at commit, and the notice
--- triggers above write the list at the end of each statement: so only the rows of the
+-- A constraint trigger's WHEN is evaluated as the row changes, not at commit, and the statement
+-- trigger of job_events.sql writes the list at the end of each statement: so only the rows of the
 -- transaction's first changing statement (the list still empty) queue a firing for commit,
 -- which then reads the whole list. (With SET CONSTRAINTS ... IMMEDIATE, which nothing here
 -- sets, that firing would run at the end of the first statement and miss the later ones.)

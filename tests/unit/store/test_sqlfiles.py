@@ -128,11 +128,11 @@ def test_every_function_trigger_and_view_is_defined_once_and_re_applies() -> Non
         for match in CREATE_TRIGGER.finditer(repeatable.sql):
             assert match.group(1), f"{repeatable.name}: {match.group(2)} is not OR REPLACE"
             triggers[match.group(2)] += 1
-    assert {"aq_lock_user_v1", "aq_admit_v2", "aq_finish_v2", "aq_job_event_v2"} <= set(functions)
+    assert {"aq_lock_user_v1", "aq_admit_v2", "aq_finish_v2", "aq_job_changes_v1"} <= set(functions)
     assert [name for name, n in functions.items() if n > 1] == []
     assert [name for name, n in triggers.items() if n > 1] == []
     assert views and [name for name, n in views.items() if n > 1] == []
-    assert len(triggers) == 4
+    assert len(triggers) == 2
     # Functions come before the triggers that call them.
     names = [r.name for r in repeatables()]
     assert names == sorted(names, key=lambda n: (not n.startswith("functions/"), n))
