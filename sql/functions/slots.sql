@@ -46,6 +46,25 @@ BEGIN
 END
 $$;
 
+-- The lowest slot in 1..p_limit not in p_used, or NULL at the limit: active jobs count
+-- against the limit whatever their numbers (a lowered limit). Pure, so that a batch of admits
+-- can apply it to the slots its earlier clicks took (aq_admit_ceiling_off_locked_v1).
+CREATE OR REPLACE FUNCTION aq_lowest_free_slot_v1(p_limit integer, p_used integer[])
+RETURNS integer
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF cardinality(p_used) >= p_limit THEN
+        RETURN NULL;
+    END IF;
+    FOR s IN 1..p_limit LOOP  -- simple expressions: no query per step
+        IF NOT s = ANY (p_used) THEN
+            RETURN s;
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+
 -- Lock held. The lowest user slot free for p_user_id within its limit, or NULL at the limit.
 CREATE OR REPLACE FUNCTION aq_free_user_slot_v1(p_user_id text) RETURNS integer
 LANGUAGE plpgsql VOLATILE AS $$
@@ -54,16 +73,7 @@ DECLARE
     v_limit integer;
 BEGIN
     SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(p_user_id) s;
-    -- Active jobs count against the limit whatever their numbers (a lowered limit).
-    IF cardinality(v_used) >= v_limit THEN
-        RETURN NULL;
-    END IF;
-    FOR s IN 1..v_limit LOOP  -- simple expressions: no query per step
-        IF NOT s = ANY (v_used) THEN
-            RETURN s;
-        END IF;
-    END LOOP;
-    RETURN NULL;
+    RETURN aq_lowest_free_slot_v1(v_limit, v_used);
 END
 $$;
 

@@ -99,6 +99,49 @@ async def test_each_click_of_a_batch_is_decided_for_itself_in_arrival_order(
     await check_invariants(database_url)
 
 
+async def test_a_batch_fills_slots_and_counts_positions_as_click_by_click(
+    db: Database, database_url: str
+) -> None:
+    """The admits of a batch are written together, but each click still sees the ones before
+    it: a user with two slots gets both, in order, and the next click queues behind the job
+    that already waited; every click's events come in admission order, with dense ids."""
+    await db.grant_credits("alice", 5)
+    await db.grant_credits("bob", 5)
+    await db.set_user_limit("alice", 2)
+    earlier = _reserve("bob")
+    await _reserved(db, [earlier])
+    await db.admit_many([_admit(earlier)])  # bob's slot is taken before the batch
+    clicks = [_reserve("alice"), _reserve("bob"), _reserve("alice"), _reserve("bob")]
+    clicks.append(_reserve("alice"))
+    await _reserved(db, clicks)
+    admitted = await db.admit_many([_admit(c) for c in clicks])
+    jobs = [admitted[a].result.job for a in admitted]
+    assert [(j.user_id, j.status, j.queue_position) for j in jobs] == [
+        ("alice", JobStatus.PENDING, None),
+        ("bob", JobStatus.QUEUED, 1),
+        ("alice", JobStatus.PENDING, None),
+        ("bob", JobStatus.QUEUED, 2),
+        ("alice", JobStatus.QUEUED, 1),
+    ]
+    slots = await fetch(
+        database_url,
+        "SELECT user_slot FROM analysis_jobs WHERE user_id = 'alice' ORDER BY queue_seq",
+    )
+    assert [r["user_slot"] for r in slots] == [1, 2, None]
+    events = await fetch(
+        database_url,
+        """SELECT e.user_id, e.event_id, e.kind, j.queue_seq FROM job_events e
+             JOIN analysis_jobs j ON j.id = e.job_id ORDER BY e.user_id, e.event_id""",
+    )
+    for user, count in (("alice", 3), ("bob", 3)):
+        mine = [e for e in events if e["user_id"] == user]
+        assert [e["event_id"] for e in mine] == list(range(1, count + 1))
+        assert {e["kind"] for e in mine} == {"admitted"}
+        assert [e["queue_seq"] for e in mine] == sorted(e["queue_seq"] for e in mine)
+    assert await db.balance("alice") == 2 and await db.balance("bob") == 2
+    await check_invariants(database_url)
+
+
 async def test_a_refusal_in_a_batch_rolls_back_nothing_of_its_neighbours(
     db: Database, database_url: str
 ) -> None:
