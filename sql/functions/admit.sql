@@ -275,7 +275,7 @@ BEGIN
         v_balance[d] := v_balance[d] - greatest(r.cost, 0);
         v_slot := NULL;
         IF r.delta_of IS NULL AND v_queued[d] = 0 THEN
-            v_slot := aq_lowest_free_slot_v1(v_limit[d], v_used[d]::integer[]);
+            v_slot := (aq_free_slots_v1(v_limit[d], v_used[d]::integer[]))[1];
         END IF;
         n := n + 1;
         v_index[cardinality(v_index)] := n;

@@ -6,25 +6,22 @@
 -- sweep. Locks: docs/locking.md. Every function here that starts a job writes it 'pending'
 -- with promoted_at; the caller hands it to the dispatcher, which releases its held run.
 
--- User lock held, ceiling off. Start the user's waiting deltas, then fill their free slots from
--- the head of their queue, in order. Returns the jobs promoted.
-CREATE OR REPLACE FUNCTION aq_fill_user_locked_v1(p_user_id text) RETURNS SETOF analysis_jobs
+-- Users' locks held, ceiling off. Start the users' waiting deltas, then fill each user's free
+-- slots from the head of their queue, in order: the k-th job of a queue takes the k-th free slot
+-- (aq_free_slots_v1). One statement for all the users, so that a batch of completions fills
+-- every slot it freed at once (finish.sql). Returns the jobs promoted, by user, in queue order.
+CREATE OR REPLACE FUNCTION aq_fill_users_locked_v1(p_users text[]) RETURNS SETOF analysis_jobs
 LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_limit integer;
-    v_used integer[];
-    v_free integer;
-    v_slot integer;
-    v_job analysis_jobs;
 BEGIN
     -- What waited for capacity under a ceiling that was just turned off: deltas start at once,
     -- first-pass jobs wait for their user again (the fill below starts those with room). One
     -- statement, when there is any such job: usually there is none, and a probe of the index
     -- is cheaper than an UPDATE on no row (which opens every index of the table).
     IF EXISTS (SELECT 1 FROM analysis_jobs j
-                WHERE j.user_id = p_user_id AND j.status = 'queued'
+                WHERE j.user_id = ANY (p_users) AND j.status = 'queued'
                   AND j.waiting_for = 'provider_capacity') THEN
-        FOR v_job IN
+        RETURN QUERY
+        WITH moved AS (
             UPDATE analysis_jobs j
                SET status = CASE WHEN j.delta_of_job_id IS NULL THEN 'queued' ELSE 'pending' END,
                    waiting_for = CASE WHEN j.delta_of_job_id IS NULL
@@ -33,37 +30,45 @@ BEGIN
                    promoted_at = CASE WHEN j.delta_of_job_id IS NULL THEN NULL
                                       ELSE clock_timestamp() END,
                    updated_at = clock_timestamp()
-             WHERE j.user_id = p_user_id AND j.status = 'queued'
+             WHERE j.user_id = ANY (p_users) AND j.status = 'queued'
                AND j.waiting_for = 'provider_capacity'
-            RETURNING j.*
-        LOOP
-            IF v_job.status = 'pending' THEN
-                RETURN NEXT v_job;
-            END IF;
-        END LOOP;
+            RETURNING j.*)
+        SELECT * FROM moved m WHERE m.status = 'pending' ORDER BY m.user_id, m.queue_seq;
     END IF;
-    SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(p_user_id) s;
-    v_free := v_limit - cardinality(v_used);  -- active jobs count whatever their numbers
-    FOR v_slot IN 1..v_limit LOOP
-        EXIT WHEN v_free <= 0;
-        CONTINUE WHEN v_slot = ANY (v_used);
-        -- status = 'queued' is repeated outside the subquery: after a row-lock wait READ
-        -- COMMITTED re-checks only the outer WHERE; a job cancelled meanwhile stays cancelled.
-        UPDATE analysis_jobs j
-           SET status = 'pending', user_slot = v_slot, waiting_for = NULL, turn_key = NULL,
-               promoted_at = clock_timestamp(), updated_at = clock_timestamp()
-         WHERE j.id = (
-                SELECT q.id FROM analysis_jobs q
-                 WHERE q.user_id = p_user_id AND q.status = 'queued'
+    -- status = 'queued' is repeated outside the heads: after a row-lock wait READ COMMITTED
+    -- re-checks only the UPDATE's own WHERE; a job cancelled meanwhile stays cancelled.
+    RETURN QUERY
+    WITH room AS (
+        SELECT u.user_id, aq_free_slots_v1(s.max_running, s.used) AS slots
+          FROM (SELECT DISTINCT x.u AS user_id FROM unnest(p_users) AS x(u)
+                 WHERE x.u IS NOT NULL) u
+          CROSS JOIN LATERAL aq_user_slots_v1(u.user_id) s),
+    heads AS (
+        SELECT h.id, r.slots[h.k] AS slot
+          FROM room r
+          CROSS JOIN LATERAL (
+                SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS k
+                  FROM analysis_jobs q
+                 WHERE q.user_id = r.user_id AND q.status = 'queued'
                    AND q.delta_of_job_id IS NULL
                  ORDER BY q.queue_seq
-                 LIMIT 1)
-           AND j.status = 'queued'
-        RETURNING j.* INTO v_job;
-        EXIT WHEN NOT FOUND;
-        v_free := v_free - 1;
-        RETURN NEXT v_job;
-    END LOOP;
+                 LIMIT cardinality(r.slots)) h),
+    moved AS (
+        UPDATE analysis_jobs j
+           SET status = 'pending', user_slot = h.slot, waiting_for = NULL, turn_key = NULL,
+               promoted_at = clock_timestamp(), updated_at = clock_timestamp()
+          FROM heads h
+         WHERE j.id = h.id AND j.status = 'queued'
+        RETURNING j.*)
+    SELECT * FROM moved m ORDER BY m.user_id, m.queue_seq;
+END
+$$;
+
+-- One user's fill (aq_fill_users_locked_v1), for the callers that decide for one user.
+CREATE OR REPLACE FUNCTION aq_fill_user_locked_v1(p_user_id text) RETURNS SETOF analysis_jobs
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM aq_fill_users_locked_v1(ARRAY[p_user_id]);
 END
 $$;
 

@@ -46,22 +46,24 @@ BEGIN
 END
 $$;
 
--- The lowest slot in 1..p_limit not in p_used, or NULL at the limit: active jobs count
--- against the limit whatever their numbers (a lowered limit). Pure, so that a batch of admits
--- can apply it to the slots its earlier clicks took (aq_admit_ceiling_off_locked_v1).
-CREATE OR REPLACE FUNCTION aq_lowest_free_slot_v1(p_limit integer, p_used integer[])
-RETURNS integer
+-- The free slots in 1..p_limit that are not in p_used, lowest first, as many as the limit
+-- leaves room for: active jobs count against it whatever their numbers (a lowered limit). Pure,
+-- so that a batch can apply it to the slots its earlier decisions took (admit.sql) and a fill
+-- to many users at once (promote.sql).
+CREATE OR REPLACE FUNCTION aq_free_slots_v1(p_limit integer, p_used integer[])
+RETURNS integer[]
 LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    v_free integer[] := '{}';
+    v_room integer := p_limit - cardinality(p_used);
 BEGIN
-    IF cardinality(p_used) >= p_limit THEN
-        RETURN NULL;
-    END IF;
     FOR s IN 1..p_limit LOOP  -- simple expressions: no query per step
+        EXIT WHEN cardinality(v_free) >= v_room;
         IF NOT s = ANY (p_used) THEN
-            RETURN s;
+            v_free := v_free || s;
         END IF;
     END LOOP;
-    RETURN NULL;
+    RETURN v_free;
 END
 $$;
 
@@ -73,7 +75,7 @@ DECLARE
     v_limit integer;
 BEGIN
     SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(p_user_id) s;
-    RETURN aq_lowest_free_slot_v1(v_limit, v_used);
+    RETURN (aq_free_slots_v1(v_limit, v_used))[1];
 END
 $$;
 
