@@ -422,7 +422,10 @@ async def test_last_event_id_older_than_kept_or_unknown_gets_a_snapshot(
 
     await wait_for(all_done, what="the jobs to finish")
     head = int(await fetchval(h.database_url, "SELECT last_id FROM job_event_counters"))
-    assert head >= 3 * 3  # admitted, (promoted), started, finished
+    # Admitted, promoted (all but the first), finished; started too, unless Core's callback beat
+    # the running mark (a fast judge on a loaded machine). Every id is a stored event.
+    assert head >= 3 + 2 + 3
+    assert head == await fetchval(h.database_url, "SELECT count(*) FROM job_events")
 
     async with stream(h, inst, "u", last_event_id=head - 2) as s:  # kept: a replay
         await s.until(lambda ev: len(ev) >= 2, what="the replay")

@@ -315,6 +315,71 @@ async def test_completions_of_a_batch_each_fill_the_slot_they_free(
     await check_invariants(database_url)
 
 
+def _ended(core_run_id: str, status: JobStatus = JobStatus.SUCCEEDED) -> CompletionRequest:
+    return CompletionRequest(
+        core_run_id=core_run_id,
+        status=status,
+        from_statuses=(JobStatus.PENDING, JobStatus.RUNNING),
+        error_code=None if status is JobStatus.SUCCEEDED else "core_failed",
+        error_detail=None,
+        verdicts=None,
+        ran=True,
+    )
+
+
+async def test_completions_of_a_batch_are_written_together_as_report_by_report(
+    db: Database, database_url: str
+) -> None:
+    """A batch ends its jobs and fills the slots they free all at once, with the result of
+    finishing them one by one: a user with two slots gets both refilled, in queue order; and a
+    report about a job that the batch's own fill starts (Core ended its held run early) still
+    ends it, refunded, and frees its slot for the next job."""
+    await db.grant_credits("alice", 5)
+    await db.grant_credits("bob", 5)
+    await db.set_user_limit("alice", 2)
+    a_clicks = [_reserve("alice") for _ in range(4)]
+    b_clicks = [_reserve("bob") for _ in range(3)]
+    await _reserved(db, [*a_clicks, *b_clicks])
+    await db.admit_many([_admit(c) for c in (*a_clicks, *b_clicks)])
+    a1, a2, a3, a4 = (_admit(c) for c in a_clicks)
+    b1, b2, b3 = (_admit(c) for c in b_clicks)
+    reports = [
+        _ended(a1.core_run_id),
+        _ended(b1.core_run_id),
+        _ended(b2.core_run_id, JobStatus.FAILED),  # queued until b1's slot is filled
+        _ended(a2.core_run_id),
+    ]
+    finished = await db.finish_many(reports, Claim("inst-a", 60))
+    results = [finished[r].result for r in reports]
+    assert all(r is not None for r in results)
+    assert [(r.job.status, r.changed) for r in results if r] == [
+        (JobStatus.SUCCEEDED, True),
+        (JobStatus.SUCCEEDED, True),
+        (JobStatus.FAILED, True),
+        (JobStatus.SUCCEEDED, True),
+    ]
+    promoted = [[j.id for j in r.promoted] for r in results if r]
+    # Alice's two freed slots go with her first report; bob's b2 started and ended, b3 next.
+    assert promoted == [[a3.job_id, a4.job_id], [b2.job_id], [b3.job_id], []]
+    assert results[2] is not None and results[2].refunded
+    rows = await fetch(
+        database_url,
+        "SELECT id, status, user_slot, claimed_by FROM analysis_jobs ORDER BY queue_seq",
+    )
+    state = {r["id"]: (r["status"], r["user_slot"]) for r in rows}
+    assert state[a3.job_id] == ("pending", 1) and state[a4.job_id] == ("pending", 2)
+    assert state[b2.job_id] == ("failed", 1) and state[b3.job_id] == ("pending", 1)
+    assert {r["claimed_by"] for r in rows if r["status"] == "pending"} == {"inst-a"}
+    assert await db.balance("bob") == 5 - 3 + 1
+    events = await fetch(
+        database_url, "SELECT user_id, event_id FROM job_events ORDER BY user_id, event_id"
+    )
+    for user in ("alice", "bob"):
+        ids = [e["event_id"] for e in events if e["user_id"] == user]
+        assert ids == list(range(1, len(ids) + 1)), "dense ids"
+    await check_invariants(database_url)
+
+
 # -- through the service ---------------------------------------------------------------------
 
 
