@@ -269,8 +269,10 @@ async def test_a_migration_behind_a_long_transaction_gives_way_to_the_admits(
     )
     # An admit is a group commit: a click can wait for the batch ahead of it as well as its
     # own, each held up by one of the migration's tries at most (without the lock timeout
-    # they would wait for the whole report).
-    assert admits.longest_s < 2 * locks.lock_timeout_s + ADMIT_SLACK_S, admits.longest_s
+    # they would wait for the whole report, 4 s and more when the bound passes). And when
+    # its user's lock is held by a completion batch that waits for a try itself, the click
+    # leaves its batch and is admitted alone after that holder: a third try.
+    assert admits.longest_s < 3 * locks.lock_timeout_s + ADMIT_SLACK_S, admits.longest_s
 
 
 @pytest.mark.parametrize("holder_ends", [True, False], ids=["holder-ends", "bound-passes"])
