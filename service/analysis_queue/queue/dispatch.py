@@ -207,8 +207,8 @@ class Dispatcher:
                 },
             )
             return Released.RETRY
+        self.released += 1  # Core holds it no longer, whatever becomes of the running mark
         running = await self._running.submit(job.id)
-        self.released += 1
         log.info(
             "released",
             extra={
@@ -235,8 +235,8 @@ class Dispatcher:
             await self._fail(job, "core_run_gone", detail)
             return Released.FAILED
         if run.state == RunState.JUDGING:
-            await self._running.submit(job.id)
             self.released += 1
+            await self._running.submit(job.id)
             return Released.RELEASED
         if run.finished:
             await self.finisher.apply_core_run(run, source="poll")
