@@ -82,7 +82,11 @@ $$;
 -- User lock held. Keep the waits of the user's queued first-pass jobs true: with the ceiling
 -- on, the first (limit - active) wait for provider_capacity with their turn key, the rest for
 -- your_previous_analysis; with it off, all wait for your_previous_analysis (a free slot is
--- filled at once). Writes only rows whose wait changes, so it is cheap when nothing does.
+-- filled at once). Writes only rows whose wait changes, and runs an UPDATE only when the read
+-- before it found such a row: usually none changes, and an UPDATE of no row still opens the
+-- table's indexes and runs the change trigger (job_events.sql). Every writer of a user's queued
+-- jobs holds the user's lock, so what the reads find stays true until the UPDATEs; each UPDATE
+-- checks its rows again all the same.
 CREATE OR REPLACE FUNCTION aq_refresh_waits_locked_v1(p_user_id text, p_ceiling integer)
 RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
@@ -90,6 +94,7 @@ DECLARE
     v_free integer := 0;
     v_last timestamptz;
     v_head uuid[];
+    v_stale uuid[];
 BEGIN
     IF p_ceiling IS NOT NULL THEN
         SELECT aq_user_limit_v1(p_user_id) - count(*) INTO v_free FROM analysis_jobs a
@@ -97,22 +102,36 @@ BEGIN
            AND a.delta_of_job_id IS NULL;
         SELECT t.last_turn_at INTO v_last FROM user_turns t WHERE t.user_id = p_user_id;
     END IF;
-    SELECT coalesce(array_agg(h.id), '{}') INTO v_head FROM (
-        SELECT q.id FROM analysis_jobs q
-         WHERE q.user_id = p_user_id AND q.status = 'queued' AND q.delta_of_job_id IS NULL
-         ORDER BY q.queue_seq
-         LIMIT greatest(v_free, 0)) h;
-    UPDATE analysis_jobs j
-       SET waiting_for = 'provider_capacity',
-           turn_key = greatest(v_last, j.created_at),
-           updated_at = clock_timestamp()
-     WHERE j.id = ANY (v_head) AND j.status = 'queued'
-       AND (j.waiting_for, j.turn_key) IS DISTINCT FROM
-           ('provider_capacity', greatest(v_last, j.created_at));
-    UPDATE analysis_jobs j
-       SET waiting_for = 'your_previous_analysis', turn_key = NULL,
-           updated_at = clock_timestamp()
-     WHERE j.user_id = p_user_id AND j.status = 'queued' AND j.waiting_for = 'provider_capacity'
-       AND j.delta_of_job_id IS NULL AND j.id <> ALL (v_head);
+    -- The heads (the first v_free queued), and those of them whose wait or turn is not yet so.
+    SELECT coalesce(array_agg(h.id), '{}'), coalesce(array_agg(h.id) FILTER (WHERE h.stale), '{}')
+      INTO v_head, v_stale
+      FROM (SELECT q.id,
+                   (q.waiting_for, q.turn_key) IS DISTINCT FROM
+                   ('provider_capacity', greatest(v_last, q.created_at)) AS stale
+              FROM analysis_jobs q
+             WHERE q.user_id = p_user_id AND q.status = 'queued' AND q.delta_of_job_id IS NULL
+             ORDER BY q.queue_seq
+             LIMIT greatest(v_free, 0)) h;
+    IF cardinality(v_stale) > 0 THEN
+        UPDATE analysis_jobs j
+           SET waiting_for = 'provider_capacity',
+               turn_key = greatest(v_last, j.created_at),
+               updated_at = clock_timestamp()
+         WHERE j.id = ANY (v_stale) AND j.status = 'queued'
+           AND (j.waiting_for, j.turn_key) IS DISTINCT FROM
+               ('provider_capacity', greatest(v_last, j.created_at));
+    END IF;
+    -- The rest: no longer at the head, no longer waiting for capacity.
+    IF EXISTS (SELECT 1 FROM analysis_jobs j
+                WHERE j.user_id = p_user_id AND j.status = 'queued'
+                  AND j.waiting_for = 'provider_capacity' AND j.delta_of_job_id IS NULL
+                  AND j.id <> ALL (v_head)) THEN
+        UPDATE analysis_jobs j
+           SET waiting_for = 'your_previous_analysis', turn_key = NULL,
+               updated_at = clock_timestamp()
+         WHERE j.user_id = p_user_id AND j.status = 'queued'
+           AND j.waiting_for = 'provider_capacity'
+           AND j.delta_of_job_id IS NULL AND j.id <> ALL (v_head);
+    END IF;
 END
 $$;

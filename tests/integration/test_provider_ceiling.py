@@ -333,6 +333,49 @@ async def test_a_plan_limit_runs_several_at_once_still_in_order(harness: Harness
 
 
 @both_routes
+async def test_a_lowered_plan_limit_sends_a_waiting_job_back_behind_the_previous(
+    harness: Harness,
+) -> None:
+    h = harness
+    h.sim.judge_time_s = FOREVER_S
+    await h.start_instance(global_max_running=1, sweep_interval_s=0)
+    await h.grant("other", 1)
+    await h.grant("team", 3)
+    await _admit_ok(h, "other")  # takes the one global slot
+    await wait_for(lambda: _settled(h, 1), what="other's job running")
+    await h.set_limit("team", 2)
+    jobs = [await _admit_ok(h, "team", n) for n in range(3)]
+
+    async def waits() -> list[tuple[str, str]]:
+        rows = await fetch(
+            h.database_url,
+            """SELECT status, waiting_for FROM analysis_jobs
+                WHERE user_id = 'team' ORDER BY queue_seq""",
+        )
+        return [(r["status"], r["waiting_for"]) for r in rows]
+
+    async def events_of_the_second() -> list[str]:
+        rows = await fetch(
+            h.database_url,
+            "SELECT kind FROM job_events WHERE job_id = $1::uuid ORDER BY event_id",
+            jobs[1]["id"],
+        )
+        return [r["kind"] for r in rows]
+
+    # Room for two of team's jobs, none in the ceiling: the first two wait for capacity.
+    capacity, previous = ("queued", "provider_capacity"), ("queued", "your_previous_analysis")
+    assert await waits() == [capacity, capacity, previous]
+    before = await events_of_the_second()
+
+    await h.set_limit("team", None)  # back to one: the second waits for the first again
+    assert await waits() == [capacity, previous, previous]
+    _, second = await h.get("team", f"/v1/analyses/{jobs[1]['id']}")
+    assert (second["waiting_for"], second["queue_position"]) == ("your_previous_analysis", 2)
+    assert await events_of_the_second() == [*before, "waiting"]
+    await check_invariants(h.database_url)
+
+
+@both_routes
 async def test_the_last_instance_started_sets_the_ceiling(harness: Harness) -> None:
     h = harness
     h.sim.judge_time_s = FOREVER_S
