@@ -3,35 +3,26 @@
 -- The decisions that need locks are SQL functions (sql/functions/, locks in docs/locking.md);
 -- these queries call them or do what needs no lock.
 
--- admit --
--- Admit a reserved run as a job (aq_admit_v2): $1 job id, $2 user, $3 run id, $4 Core run id,
--- $5 thesis, $6 sources, $7 cost, $8 delta_of job id, $9 idempotency key, $10 request hash.
--- -> the job's columns, its queue position, and the jobs the admit promoted.
-SELECT (r.job).*, r.queue_position, r.promoted
-  FROM aq_admit_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) r;
-
--- admit_many --
--- The admits of a group commit (aq_admit_many_v1): $1 [{"item", aq_admit_v2's arguments}],
--- $2 the instance that releases what they start, $3 its claim lease in seconds.
--- -> per item: its outcome, and when admitted the job's columns, its position and what it
--- promoted (claimed for $2).
-SELECT r.item, r.outcome, (r.job).*, r.queue_position, r.promoted
-  FROM aq_admit_many_v1($1, $2, $3) r;
-
--- reserve_many --
--- The reservations of a group commit (aq_reserve_many_v1): $1 [{"item", aq_reserve_v1's
--- arguments}]. -> per item: outcome, job_id, balance.
-SELECT * FROM aq_reserve_many_v1($1);
-
 -- reserve --
--- Reserve a run id and check credit: $1 user, $2 run id, $3 job id, $4 cost, $5 thesis,
--- $6 sources, $7 idempotency key, $8 request hash. -> outcome, job_id, balance
-SELECT * FROM aq_reserve_v1($1, $2, $3, $4, $5, $6, $7, $8);
+-- The reservations of a group commit of clicks, each holding its cost (aq_reserve_v2):
+-- $1 [{"item", "user_id", "run_id", "job_id", "cost", "thesis", "sources", "idempotency_key",
+-- "request_hash"}]. -> per item: outcome, job_id, balance.
+SELECT * FROM aq_reserve_v2($1);
+
+-- admit --
+-- The admits of a group commit of clicks (aq_admit_v3): $1 [{"item", "job_id", "user_id",
+-- "run_id", "core_run_id", "thesis", "sources", "cost", "delta_of", "idempotency_key",
+-- "request_hash"}], $2 the instance that releases what they start, $3 its claim lease in
+-- seconds. -> per item: its outcome, and when admitted the job's columns and position; on the
+-- first admitted item, the others' jobs it started (claimed for $2) and whether a pass must
+-- give out capacity.
+SELECT r.item, r.outcome, (r.job).*, r.queue_position, r.promoted, r.asks_pass
+  FROM aq_admit_v3($1, $2, $3) r;
 
 -- promote --
--- Fill free slots (aq_promote_v2): $1 users whose slot freed (may be empty); $2 at most.
+-- Fill free slots (aq_promote_v3): $1 users whose slot freed (may be empty); $2 at most.
 -- -> the ceiling in force on every row, and the promoted jobs (one all-NULL job when none).
-SELECT p.ceiling, (p.job).*, NULL::bigint AS queue_position FROM aq_promote_v2($1, $2) p;
+SELECT p.ceiling, (p.job).*, NULL::bigint AS queue_position FROM aq_promote_v3($1, $2) p;
 
 -- promote_woken --
 -- A notification woke these users (aq_promote_woken_v1): $1 users, $2 at most. -> the ceiling
@@ -41,18 +32,12 @@ SELECT w.ceiling, w.promoted, (w.job).*, NULL::bigint AS queue_position
   FROM aq_promote_woken_v1($1, $2) w;
 
 -- finish --
--- Terminal move and/or soft delete under the user lock, refund, tail promotion (aq_finish_v2):
--- $1 job id, $2 Core run id, $3 user scope, $4 status, $5 from statuses, $6 delete,
--- $7 error code, $8 error detail, $9 verdicts, $10 Core judged it.
--- -> job, old_status, changed, refunded, promoted (an array of jobs)
-SELECT * FROM aq_finish_v2($1, $2, $3, $4, $5, $6, $7, $8, $9, $10);
-
--- finish_many --
--- Core's completions of a group commit (aq_finish_many_v1): $1 [{"item", "core_run_id",
--- "status", "from", "error_code", "error_detail", "verdicts", "ran"}], $2 the instance that
--- releases what they promote, $3 its claim lease in seconds.
--- -> per item: its outcome and aq_finish_v2's columns (the promoted jobs claimed for $2).
-SELECT * FROM aq_finish_many_v1($1, $2, $3);
+-- Terminal moves and/or soft deletes, refunds, and the fill of what they free (aq_finish_v3):
+-- $1 [{"item", "job_id" | "core_run_id", "user_id" (a scope), "status", "from", "delete",
+-- "error_code", "error_detail", "verdicts", "ran"}], $2 the instance that releases what they
+-- promote, $3 its claim lease in seconds. -> per item: outcome, job, old_status, changed,
+-- refunded, promoted (claimed for $2), asks_pass.
+SELECT * FROM aq_finish_v3($1, $2, $3);
 
 -- ceiling_set --
 -- Set the global ceiling (NULL: off), waiting for decisions in flight: $1 ceiling.
@@ -78,9 +63,10 @@ SELECT aq_user_limit_v1($1) AS max_running,
        (SELECT l.user_id IS NOT NULL FROM user_limits l WHERE l.user_id = $1) AS custom,
        (SELECT count(*) FROM analysis_jobs a
          WHERE a.user_id = $1 AND a.status IN ('pending', 'running')
-           AND a.delta_of_job_id IS NULL) AS active,
+           AND aq_first_pass_v1(a.delta_of_job_id)) AS active,
        (SELECT count(*) FROM analysis_jobs q
-         WHERE q.user_id = $1 AND q.status = 'queued' AND q.delta_of_job_id IS NULL) AS queued;
+         WHERE q.user_id = $1 AND q.status = 'queued'
+           AND aq_first_pass_v1(q.delta_of_job_id)) AS queued;
 
 -- credit_grant --
 -- Grant credits: $1 user, $2 amount, $3 note. -> balance
@@ -95,20 +81,20 @@ SELECT coalesce((SELECT balance FROM credit_accounts WHERE user_id = $1), 0) AS 
 -- first-pass jobs, then deltas waiting for capacity).
 SELECT 'queued' AS status,
        (SELECT count(*) FROM analysis_jobs
-         WHERE status = 'queued' AND delta_of_job_id IS NULL)
+         WHERE status = 'queued' AND aq_first_pass_v1(delta_of_job_id))
      + (SELECT count(*) FROM analysis_jobs
          WHERE status = 'queued' AND waiting_for = 'provider_capacity'
-           AND delta_of_job_id IS NOT NULL) AS n
+           AND NOT aq_first_pass_v1(delta_of_job_id)) AS n
 UNION ALL
 SELECT status, count(*) FROM analysis_jobs WHERE status IN ('pending', 'running') GROUP BY status;
 
 -- job_get --
 -- One job of one user, with its queue position: $1 job id, $2 user.
 SELECT j.*,
-       CASE WHEN j.status = 'queued' AND j.delta_of_job_id IS NULL THEN (
+       CASE WHEN j.status = 'queued' AND aq_first_pass_v1(j.delta_of_job_id) THEN (
            SELECT count(*) FROM analysis_jobs q
             WHERE q.user_id = j.user_id AND q.status = 'queued' AND q.queue_seq <= j.queue_seq
-              AND q.delta_of_job_id IS NULL)
+              AND aq_first_pass_v1(q.delta_of_job_id))
        END AS queue_position
   FROM analysis_jobs j
  WHERE j.id = $1 AND j.user_id = $2 AND j.deleted_at IS NULL;
@@ -129,38 +115,21 @@ SELECT page.*, p.queue_position
   LEFT JOIN (SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
                FROM analysis_jobs q
               WHERE q.user_id = $1 AND q.status = 'queued'
-                AND q.delta_of_job_id IS NULL) p ON p.id = page.id
+                AND aq_first_pass_v1(q.delta_of_job_id)) p ON p.id = page.id
  ORDER BY page.queue_seq DESC;
 
 -- jobs_claim --
--- Claim pending jobs for release, so that only one instance releases each: $1 job ids,
--- $2 instance id, $3 lease seconds. Compare-and-set on status, lease and retry schedule; returns
--- the jobs claimed. One statement for every dispatch that asked while the previous one ran.
--- SKIP LOCKED: a claim never waits while holding other rows (two instances claim overlapping
--- sets: both hear every NOTIFY). A row someone holds is another instance's claim (theirs) or a
--- finish or cancel (it moves on); the rare holder that changes nothing (a cancel that found the
--- job no longer queued, then could not reach Core) leaves the job to the sweep's pending pass.
-UPDATE analysis_jobs j
-   SET claimed_by = $2,
-       claim_expires_at = clock_timestamp() + make_interval(secs => $3),
-       release_attempts = j.release_attempts + 1,
-       updated_at = clock_timestamp()
-  FROM (SELECT c.id FROM analysis_jobs c
-         WHERE c.id = ANY ($1::uuid[])
-           AND c.status = 'pending'
-           AND (c.claim_expires_at IS NULL OR c.claim_expires_at < clock_timestamp())
-           AND (c.next_release_at IS NULL OR c.next_release_at <= clock_timestamp())
-           FOR UPDATE SKIP LOCKED) free
- WHERE j.id = free.id
-RETURNING j.*, NULL::bigint AS queue_position;
+-- Claim pending jobs for release, so that only one instance releases each (aq_claim_v1):
+-- $1 job ids, $2 instance id, $3 lease seconds. -> the jobs claimed. One statement for every
+-- dispatch that asked while the previous one ran.
+SELECT c.*, NULL::bigint AS queue_position FROM aq_claim_v1($1::uuid[], $2, $3) c;
 
 -- jobs_mark_running --
--- Core released the runs: $1 job ids, $2 the instance that claimed them, $3 whether to wait for
--- users' locks held elsewhere (aq_mark_running_v2). Returns each job still pending for $2 and
--- whether it moved (nobody reads more of them: a whole row per job was a twelfth of the
--- service's time in the drain). One commit, and one turn at NOTIFY's commit lock, for every
--- release that completed while the previous one was being written.
-SELECT m.job_id, m.moved FROM aq_mark_running_v2($1::uuid[], $2, $3) m;
+-- Core released the runs: $1 job ids, $2 the instance that claimed them (aq_mark_running_v3).
+-- -> the ids of the jobs it moved to running (nobody reads more of them: a whole row per job
+-- was a twelfth of the service's time in the drain). One commit, and one turn at NOTIFY's
+-- commit lock, for every release that completed while the previous one was being written.
+SELECT m.job_id FROM aq_mark_running_v3($1::uuid[], $2) m;
 
 -- job_release_retry --
 -- A release attempt failed and may be retried: $1 job id, $2 instance id, $3 next attempt at,
@@ -191,7 +160,7 @@ WITH settings AS (SELECT s.global_max_running IS NULL AS off FROM queue_settings
 heads AS (
     SELECT DISTINCT ON (q.user_id) q.user_id, q.waiting_for
       FROM analysis_jobs q
-     WHERE q.status = 'queued' AND q.delta_of_job_id IS NULL
+     WHERE q.status = 'queued' AND aq_first_pass_v1(q.delta_of_job_id)
      ORDER BY q.user_id, q.queue_seq)
 SELECT h.user_id
   FROM heads h
@@ -201,24 +170,25 @@ SELECT h.user_id
         SELECT 1 FROM analysis_jobs a
          WHERE a.user_id = h.user_id
            AND a.status IN ('pending', 'running')
-           AND a.delta_of_job_id IS NULL)
+           AND aq_first_pass_v1(a.delta_of_job_id))
 UNION
 SELECT l.user_id
   FROM user_limits l
  WHERE (SELECT q.waiting_for = 'your_previous_analysis' OR (SELECT off FROM settings)
           FROM analysis_jobs q
-         WHERE q.user_id = l.user_id AND q.status = 'queued' AND q.delta_of_job_id IS NULL
+         WHERE q.user_id = l.user_id AND q.status = 'queued'
+           AND aq_first_pass_v1(q.delta_of_job_id)
          ORDER BY q.queue_seq
          LIMIT 1)
    AND (SELECT count(*) FROM analysis_jobs a
          WHERE a.user_id = l.user_id
            AND a.status IN ('pending', 'running')
-           AND a.delta_of_job_id IS NULL) < l.max_running
+           AND aq_first_pass_v1(a.delta_of_job_id)) < l.max_running
 UNION
 SELECT d.user_id
   FROM analysis_jobs d
  WHERE d.status = 'queued' AND d.waiting_for = 'provider_capacity'
-   AND d.delta_of_job_id IS NOT NULL
+   AND NOT aq_first_pass_v1(d.delta_of_job_id)
    AND (SELECT off FROM settings)
  LIMIT $1;
 
@@ -261,18 +231,24 @@ VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (run_id) DO UPDATE SET core_run_id = EXCLUDED.core_run_id;
 
 -- reservation_release --
--- An admit failed and its held run is cancelled in Core: drop the reservation: $1 run id.
-DELETE FROM core_run_reservations WHERE run_id = $1;
+-- A click was not admitted (Core refused it, or its admit failed): drop its reservation, which
+-- releases its hold: $1 run id. -> the run id when it was still there (waiting for an admit in
+-- flight, which deletes it when it commits).
+DELETE FROM core_run_reservations WHERE run_id = $1 RETURNING run_id;
 
--- reservation_set_core_run --
--- An admit failed and Core could not cancel its held run yet: remember the Core id for the
--- sweep: $1 run id, $2 Core run id.
-UPDATE core_run_reservations SET core_run_id = $2 WHERE run_id = $1;
+-- reservation_release_hold --
+-- A click's admit failed, committed or not: if its reservation is still there, no admit will
+-- spend its hold, so release it (the user's next click finds the credit) and keep the row: the
+-- key stays in progress and the sweep cancels the held run. $1 run id. Waits for an admit still
+-- in flight, which deletes the row when it commits.
+UPDATE core_run_reservations SET cost = 0 WHERE run_id = $1 AND cost > 0;
 
 -- reservation_orphan --
 -- Core did not answer the create: whether it made a held run is unknown. Leave the reservation
--- to the sweep (which re-asks Core and cancels) and free the key for the client's retry: $1 run id.
-UPDATE core_run_reservations SET idempotency_key = NULL, request_hash = NULL WHERE run_id = $1;
+-- to the sweep (which re-asks Core and cancels), release its hold, and free the key for the
+-- client's retry: $1 run id.
+UPDATE core_run_reservations SET idempotency_key = NULL, request_hash = NULL, cost = 0
+ WHERE run_id = $1;
 
 -- job_event_head --
 -- The id of a user's latest event (0 if none): $1 user.
@@ -300,7 +276,7 @@ SELECT page.*, p.queue_position,
   LEFT JOIN (SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
                FROM analysis_jobs q
               WHERE q.user_id = $1 AND q.status = 'queued'
-                AND q.delta_of_job_id IS NULL) p ON p.id = page.id
+                AND aq_first_pass_v1(q.delta_of_job_id)) p ON p.id = page.id
  WHERE page.bytes_through - page.own_bytes < $4
  ORDER BY page.event_id;
 
@@ -322,5 +298,5 @@ SELECT count(*) AS deleted FROM gone;
 -- Where each of a user's queued first-pass jobs stands (1 = next), in queue order: $1 user.
 SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
   FROM analysis_jobs q
- WHERE q.user_id = $1 AND q.status = 'queued' AND q.delta_of_job_id IS NULL
+ WHERE q.user_id = $1 AND q.status = 'queued' AND aq_first_pass_v1(q.delta_of_job_id)
  ORDER BY q.queue_seq;

@@ -196,6 +196,9 @@ class DatabaseUnavailable(AppError):
 
     code = "database_unavailable"
     retry_after_s = 1
+    # True when the statement certainly did not commit (the server refused it, or it never got
+    # a place in a statement); False when its outcome is unknown (a connection lost mid-way).
+    nothing_written = False
 
 
 class TooManyConnections(AppError):

@@ -65,13 +65,6 @@ class Metrics:
         self.group_commit_jobs = Counter(
             "aq_group_commit_jobs", "Jobs those statements were written for", ["what"], registry=r
         )
-        self.group_commit_alone = Counter(
-            "aq_group_commit_alone",
-            "Requests a group commit left to be decided in a transaction of their own, by "
-            "reason: busy (their user's lock was held elsewhere) or failed (their batch failed)",
-            ["what", "reason"],
-            registry=r,
-        )
         self.notifications = Counter(
             "aq_notifications",
             "Notifications received: one per committed transaction that changed jobs, through "
@@ -129,14 +122,6 @@ class Metrics:
         def count(n: int) -> None:
             statements.inc()
             jobs.inc(n)
-
-        return count
-
-    def alone_counter(self, what: str) -> Callable[[str], None]:
-        """What a group commit calls for each request it leaves to decide alone, with why."""
-
-        def count(reason: str) -> None:
-            self.group_commit_alone.labels(what, reason).inc()
 
         return count
 

@@ -280,9 +280,9 @@ class QueuePosition:
 
 
 class ReservationOutcome(StrEnum):
-    """What ``aq_reserve_v1`` found (sql/functions/admit.sql)."""
+    """What ``aq_reserve_v2`` found for one click (sql/functions/admit.sql)."""
 
-    RESERVED = "reserved"  # a run id is reserved: ask Core for a held run
+    RESERVED = "reserved"  # a run id is reserved and the cost held: ask Core for a held run
     EXISTING = "existing"  # the Idempotency-Key names a job admitted with this very body
     IN_PROGRESS = "in_progress"  # ... a request with this body that is still being admitted
     KEY_REUSED = "key_reused"  # ... a different body
@@ -307,6 +307,7 @@ class Finish:
     changed: bool
     refunded: bool  # this call gave the job's cost back (sql/functions/credits.sql)
     promoted: tuple[Job, ...]  # the jobs it moved from queued to pending, in the slot it freed
+    asks_pass: bool = False  # capacity is left that a promotion pass must give out
 
 
 # -- the requests group commits carry (eq=False: hashed by identity, one per caller) ----------
@@ -314,7 +315,7 @@ class Finish:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ReserveRequest:
-    """One click's reservation (``aq_reserve_v1``'s arguments)."""
+    """One click's reservation (an item of ``aq_reserve_v2``)."""
 
     user_id: str
     run_id: UUID
@@ -328,7 +329,7 @@ class ReserveRequest:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class AdmitRequest:
-    """One click's admit once Core holds its run (``aq_admit_v2``'s arguments)."""
+    """One click's admit once Core holds its run (an item of ``aq_admit_v3``)."""
 
     job_id: UUID
     user_id: str
@@ -344,7 +345,7 @@ class AdmitRequest:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class CompletionRequest:
-    """Core's report that a run ended, to finish its job (``aq_finish_v2`` by Core run id)."""
+    """Core's report that a run ended, to finish its job (an item of ``aq_finish_v3``)."""
 
     core_run_id: str
     status: JobStatus
@@ -359,7 +360,6 @@ class BatchOutcome(StrEnum):
     """What a group commit did with one request (sql/functions/admit.sql, finish.sql)."""
 
     DONE = "done"  # decided in the batch: see the result
-    BUSY = "busy"  # its user's lock was held elsewhere: decide it alone
     INSUFFICIENT_CREDITS = "insufficient_credits"
     RESERVATION_GONE = "reservation_gone"  # the sweep reclaimed the click's reservation
     UNKNOWN = "unknown"  # no job has this Core run
@@ -376,10 +376,12 @@ class Batched(Generic[T]):
 @dataclass(frozen=True, slots=True)
 class Admission:
     """The answer of ``admit``: the job, and the jobs the admit moved from queued to pending
-    (with the ceiling on, this one or an older one of its user's that waited for capacity)."""
+    (others' jobs, which the placement of its batch started), and whether capacity is left
+    that a promotion pass must give out."""
 
     job: Job
     promoted: tuple[Job, ...]
+    asks_pass: bool = False
 
 
 @dataclass(frozen=True, slots=True)

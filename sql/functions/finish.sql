@@ -1,12 +1,12 @@
--- finish: end a job (Core's completion, a failed release, a lost run, a cancel) and fill the
--- slot it frees, in one transaction under the user's lock (docs/locking.md).
+-- finish: end jobs (Core's completions, a failed release, a lost run, a cancel) and fill the
+-- slots they free, in one transaction under the decision's locks (docs/locking.md).
 --
 -- Idempotent by construction: the move is a compare-and-set from the statuses in p_from, so a
 -- duplicate, late or out-of-order report changes nothing twice. The refund rule is credits.sql.
 
--- The users' locks held. Move jobs to a terminal status and/or soft-delete them, each by a
+-- The decision's locks held. Move jobs to a terminal status and/or soft-delete them, each by a
 -- compare-and-set, in item order, and refund what never reached judging (credits.sql); fills
--- nothing (the callers do, by the ceiling). Each item names its job by job_id or core_run_id
+-- nothing (aq_finish_v3 does). Each item names its job by job_id or core_run_id
 -- (user_id, when given, scopes it to that user); status NULL means "only soft-delete"; the move
 -- happens only from a status in "from"; ran: Core judged the run, so it started even if running
 -- was never written (a fast callback can beat the releasing instance's update). A job changes
@@ -154,249 +154,100 @@ BEGIN
 END
 $$;
 
--- Move a job to a terminal status (and/or soft-delete it) under its user's lock, refund what
--- never reached judging, and fill the slot it frees:
---   ceiling off: promote the user's next jobs in this transaction (tail promotion);
---   ceiling on:  re-derive the user's waits, and start the fairest ready job if it is this
---                user's, in the global slot the job frees (or, for a job that held none, if
---                the global lock is free); otherwise a promotion pass gives the slot to whoever's
---                turn it is.
---   p_job_id or p_core_run_id picks the job; p_user_id, when given, scopes it to that user.
---   p_status NULL means "only soft-delete"; the move happens only from a status in p_from.
---   p_ran: Core judged the run, so it started even if running was never written (a fast
---   callback can beat the releasing instance's update).
--- Returns the job after the call, its status before, whether the call changed it, whether it
--- refunded, and the jobs it moved from queued to pending.
-CREATE OR REPLACE FUNCTION aq_finish_v2(
-    p_job_id uuid, p_core_run_id text, p_user_id text,
-    p_status text, p_from text[], p_delete boolean,
-    p_error_code text, p_error_detail text, p_verdicts jsonb, p_ran boolean,
-    OUT job analysis_jobs, OUT old_status text, OUT changed boolean, OUT refunded boolean,
-    OUT promoted analysis_jobs[])
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
-DECLARE
-    v_user text;
-    v_id uuid;
-    v_ceiling integer;
-    v_started analysis_jobs;
-    v_ended record;
-BEGIN
-    changed := false;
-    refunded := false;
-    promoted := '{}';
-    IF p_job_id IS NOT NULL THEN
-        SELECT j.user_id, j.id INTO v_user, v_id FROM analysis_jobs j
-         WHERE j.id = p_job_id AND (p_user_id IS NULL OR j.user_id = p_user_id);
-    ELSE
-        SELECT j.user_id, j.id INTO v_user, v_id FROM analysis_jobs j
-         WHERE j.core_run_id = p_core_run_id AND (p_user_id IS NULL OR j.user_id = p_user_id);
-    END IF;
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
-
-    v_ceiling := aq_ceiling_v2();
-    IF v_ceiling IS NULL THEN
-        -- Ceiling off: held shared until commit, so turning it on waits for this decision.
-        PERFORM aq_lock_global_shared_v1();
-        v_ceiling := aq_ceiling_v2();
-    END IF;
-    PERFORM aq_lock_user_v1(v_user);
-    -- (A composite cannot be one of several INTO targets: through a record.)
-    SELECT e.* INTO v_ended
-      FROM aq_end_jobs_locked_v1(jsonb_build_array(jsonb_build_object(
-               'item', 1, 'job_id', v_id, 'status', p_status, 'from', p_from,
-               'delete', p_delete, 'error_code', p_error_code, 'error_detail', p_error_detail,
-               'verdicts', p_verdicts, 'ran', p_ran))) e;
-    job := v_ended.job;
-    old_status := v_ended.old_status;
-    changed := v_ended.changed;
-    refunded := v_ended.refunded;
-
-    IF NOT changed THEN
-        RETURN;
-    END IF;
-    IF v_ceiling IS NULL THEN
-        IF job.delta_of_job_id IS NULL THEN
-            SELECT coalesce(array_agg(f), '{}') INTO promoted FROM aq_fill_user_locked_v1(v_user) f;
-        END IF;
-    ELSIF old_status IN ('queued', 'pending', 'running') THEN
-        PERFORM aq_refresh_waits_locked_v1(v_user, v_ceiling);
-        -- Starting the user's next job here needs the global lock, tried (shared to reuse the
-        -- slot this frees, exclusive to allocate one: docs/locking.md), and the ceiling read
-        -- again under it. When the try fails, a pass decides.
-        IF old_status <> 'queued' AND job.global_slot IS NOT NULL THEN
-            IF aq_try_lock_global_shared_v1() THEN
-                v_ceiling := aq_ceiling_v2();
-                IF v_ceiling IS NOT NULL THEN
-                    v_started := aq_start_own_if_fairest_v1(v_user, v_ceiling, job.global_slot);
-                END IF;
-            END IF;
-        ELSIF old_status <> 'queued' THEN
-            IF aq_try_lock_global_v1() THEN
-                v_ceiling := aq_ceiling_v2();
-                IF v_ceiling IS NOT NULL THEN
-                    v_started := aq_start_own_if_fairest_v1(v_user, v_ceiling);
-                END IF;
-            END IF;
-        END IF;
-        IF v_started.id IS NOT NULL THEN
-            promoted := ARRAY[v_started];
-        END IF;
-    END IF;
-END
-$$;
-
--- Group commit of completions (queue/finish.py): Core's reports that arrive while the previous
--- batch is being written, finished in one transaction, in order. As with admits (admit.sql), a
--- report whose user's lock another transaction holds for longer than a moment
--- (aq_lock_users_v1) comes back 'busy' (and so does every later one of that user in the batch),
--- and its caller finishes it alone. With the ceiling off, every other report is ended at once
--- (aq_end_jobs_locked_v1) and then the slots they freed are filled at once
--- (aq_fill_users_locked_v1): a user's promoted jobs go with the first of their reports that
--- freed a slot. A report about a job that this fill just started (Core ended its held run before
--- the release) is then finished by itself, as it would have been after the report that freed
--- the slot. With the ceiling on, each report is finished by aq_finish_v2, in order.
--- p_items: [{"item": n, "core_run_id", "status", "from" (statuses), "error_code",
--- "error_detail", "verdicts", "ran"}, ...].
--- Outcomes: 'finished' (the columns of aq_finish_v2), 'unknown' (no such run), 'busy'. The
--- jobs the finishes promoted are claimed for p_instance, which releases them, all in one
--- statement once every report is finished (aq_claim_started_v1), and the rows come back after.
-CREATE OR REPLACE FUNCTION aq_finish_many_v1(
+-- Finish a batch of jobs under the decision's locks (aq_lock_decision_v1) and fill what they
+-- free with the one placement (aq_place_locked_v1, slots.sql): the users' next jobs, and with
+-- the ceiling on the freed global slots go to whoever's turn it is. A report about a job that
+-- this placement just started (Core ended its held run before the release) is then applied in
+-- a round of its own, as it would have been after the report that freed the slot. The jobs
+-- started are claimed for p_instance, which releases them. One row per item: outcome
+-- 'finished' or 'unknown' (no such job), the job after the call, its status before, whether
+-- the item changed it, whether it refunded; what a round started goes with the first item of
+-- that round that changed a job of the same user, others' with its first item that changed
+-- any (aq_given_to_v1); asks_pass with the first item.
+-- p_items: as aq_end_jobs_locked_v1 takes them (a lone cancel is a batch of one).
+CREATE OR REPLACE FUNCTION aq_finish_v3(
     p_items jsonb, p_instance text, p_lease_s double precision)
 RETURNS TABLE (item integer, outcome text, job analysis_jobs, old_status text, changed boolean,
-               refunded boolean, promoted analysis_jobs[])
+               refunded boolean, promoted analysis_jobs[], asks_pass boolean)
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
-    r record;
-    v_finished record;
-    v_user text;
-    v_item_users text[];
-    v_item_ids integer[];
-    v_fill text[];
-    v_busy text[] := '{}';
-    v_ceiling integer;
-    -- With the ceiling off: the ends, by item, and the jobs the fill started, by user.
-    e_item integer[];
-    e_job analysis_jobs[];
-    e_old text[];
-    e_changed boolean[];
-    e_refunded boolean[];
-    v_filled analysis_jobs[] := '{}';
-    v_given text[] := '{}';
-    v_p analysis_jobs;
+    v_lock record;
+    v_place record;
+    v_ids uuid[];
+    v_todo jsonb := p_items;
+    v_ask boolean := false;
+    v_round integer := 0;
+    -- The ends, one per item (the round that last applied it); the jobs started, by round.
+    e_item integer[] := '{}';
+    e_job analysis_jobs[] := '{}';
+    e_old text[] := '{}';
+    e_changed boolean[] := '{}';
+    e_refunded boolean[] := '{}';
+    e_round integer[] := '{}';
+    s_job analysis_jobs[] := '{}';
+    s_round integer[] := '{}';
+    e record;
     k integer;
-    -- The answers, one per report, held until the claim.
-    v_item integer[] := '{}';
-    v_outcome text[] := '{}';
-    v_job analysis_jobs[] := '{}';
-    v_old text[] := '{}';
-    v_changed boolean[] := '{}';
-    v_refunded boolean[] := '{}';
-    -- The jobs the batch promoted, in answer order; each answer's range in it: v_from .. v_to.
-    v_started analysis_jobs[] := '{}';
-    v_from integer[] := '{}';
-    v_to integer[] := '{}';
-    n integer := 0;
 BEGIN
-    PERFORM aq_lock_global_shared_v1();  -- as every finish with the ceiling off: before users
-    -- Each report's user by its run, one index probe each (NULL for a run nobody has, which
-    -- aq_lock_users_v1 skips): as a join, the planner hashed the whole jobs table whenever it
-    -- judged it small, a seq scan per batch.
-    v_item_users := ARRAY(
-        SELECT (SELECT j.user_id FROM analysis_jobs j WHERE j.core_run_id = x.core_run_id)
-          FROM jsonb_to_recordset(p_items) AS x(item integer, core_run_id text)
-         ORDER BY x.item);
-    v_item_ids := ARRAY(SELECT x.item FROM jsonb_to_recordset(p_items) AS x(item integer)
-                         ORDER BY x.item);
-    v_busy := aq_lock_users_v1(v_item_users, aq_batch_lock_wait_ms_v1());
-    -- Read under the global lock held shared: it cannot change before this commits.
-    v_ceiling := aq_ceiling_v2();
-    IF v_ceiling IS NULL THEN
-        SELECT array_agg(e.item ORDER BY e.item), array_agg(e.job ORDER BY e.item),
-               array_agg(e.old_status ORDER BY e.item), array_agg(e.changed ORDER BY e.item),
-               array_agg(e.refunded ORDER BY e.item)
-          INTO e_item, e_job, e_old, e_changed, e_refunded
-          FROM aq_end_jobs_locked_v1(
-                   (SELECT coalesce(jsonb_agg(x.e), '[]')
-                      FROM jsonb_array_elements(p_items) AS x(e)
-                      CROSS JOIN LATERAL (
-                            SELECT v_item_users[array_position(v_item_ids, (x.e ->> 'item')::integer)]
-                                   AS u) w
-                     WHERE w.u IS NOT NULL AND NOT w.u = ANY (v_busy))) e;
-        -- The users of first-pass jobs that left a slot.
-        v_fill := ARRAY(SELECT DISTINCT (e_job[i]).user_id FROM generate_subscripts(e_job, 1) i
-                         WHERE e_changed[i] AND (e_job[i]).delta_of_job_id IS NULL);
-        IF cardinality(v_fill) > 0 THEN
-            v_filled := ARRAY(SELECT f FROM aq_fill_users_locked_v1(v_fill) f);
-        END IF;
-    END IF;
-    FOR r IN
-        SELECT * FROM jsonb_to_recordset(p_items) AS x(
-            item integer, core_run_id text, status text, "from" text[], error_code text,
-            error_detail text, verdicts jsonb, ran boolean)
-        ORDER BY x.item
-    LOOP
-        n := n + 1;
-        job := NULL;
-        old_status := NULL;
-        changed := false;
-        refunded := false;
-        v_from := v_from || (cardinality(v_started) + 1);
-        v_user := v_item_users[n];
-        k := array_position(e_item, r.item);
-        IF v_user IS NULL THEN
-            outcome := 'unknown';
-        ELSIF v_user = ANY (v_busy) THEN
-            outcome := 'busy';
-        ELSIF k IS NOT NULL AND NOT (e_changed[k] = false
-                                     AND (e_job[k]).id = ANY (ARRAY(SELECT f.id
-                                                                     FROM unnest(v_filled) f))) THEN
-            job := e_job[k];
-            old_status := e_old[k];
-            changed := e_changed[k];
-            refunded := e_refunded[k];
-            IF changed AND job.delta_of_job_id IS NULL AND NOT job.user_id = ANY (v_given) THEN
-                v_given := v_given || job.user_id;
-                FOREACH v_p IN ARRAY v_filled LOOP
-                    IF v_p.user_id = job.user_id THEN
-                        v_started := array_append(v_started, v_p);
-                    END IF;
-                END LOOP;
-            END IF;
-            outcome := CASE WHEN job.id IS NULL THEN 'unknown' ELSE 'finished' END;
-        ELSE
-            -- Ceiling on; or a report about a job the fill above just started.
-            SELECT f.* INTO v_finished
-              FROM aq_finish_v2(NULL, r.core_run_id, NULL, r.status, r."from", false,
-                                r.error_code, r.error_detail, r.verdicts, r.ran) f;
-            job := v_finished.job;
-            old_status := v_finished.old_status;
-            changed := v_finished.changed;
-            refunded := v_finished.refunded;
-            v_started := v_started || coalesce(v_finished.promoted, '{}');
-            outcome := CASE WHEN job.id IS NULL THEN 'unknown' ELSE 'finished' END;
-        END IF;
-        v_to := v_to || cardinality(v_started);
-        v_item := v_item || r.item;
-        v_outcome := v_outcome || outcome;
-        v_job := array_append(v_job, job);
-        v_old := v_old || old_status;
-        v_changed := v_changed || changed;
-        v_refunded := v_refunded || refunded;
+    -- The items' jobs, each by one index probe, read before any lock: who to lock.
+    v_ids := ARRAY(
+        SELECT coalesce(
+                   (SELECT j.id FROM analysis_jobs j WHERE j.id = x.job_id),
+                   (SELECT j.id FROM analysis_jobs j WHERE j.core_run_id = x.core_run_id))
+          FROM jsonb_to_recordset(p_items) AS x(job_id uuid, core_run_id text));
+    SELECT * INTO v_lock FROM aq_lock_decision_v1(
+        ARRAY(SELECT j.user_id FROM analysis_jobs j WHERE j.id = ANY (v_ids)), v_ids);
+    WHILE v_todo IS NOT NULL LOOP
+        v_round := v_round + 1;
+        FOR e IN SELECT * FROM aq_end_jobs_locked_v1(v_todo) LOOP
+            k := coalesce(array_position(e_item, e.item), cardinality(e_item) + 1);
+            e_item[k] := e.item;  -- a later round's answer replaces the item's earlier one
+            e_job[k] := e.job;
+            e_old[k] := e.old_status;
+            e_changed[k] := e.changed;
+            e_refunded[k] := e.refunded;
+            e_round[k] := v_round;
+        END LOOP;
+        SELECT * INTO v_place FROM aq_place_locked_v1(
+            v_lock.users, v_lock.ceiling, v_lock.allocates, NULL, '{}', '{}', '{}');
+        s_job := s_job || v_place.promoted;
+        s_round := s_round || array_fill(v_round, ARRAY[cardinality(v_place.promoted)]);
+        v_ask := v_place.asks_pass;
+        -- The items that found their job still queued, now started by this placement.
+        v_todo := (SELECT jsonb_agg(t.e) FROM jsonb_array_elements(v_todo) t(e)
+                    WHERE EXISTS (SELECT 1 FROM unnest(v_place.promoted) p
+                                   WHERE p.id::text = t.e ->> 'job_id'
+                                      OR p.core_run_id = t.e ->> 'core_run_id'));
     END LOOP;
-    -- One claim for the whole batch (PostgreSQL prepares the table's CHECK constraints once
-    -- per writing statement), returned in the order given, claimed or as they were.
-    v_started := aq_claim_started_v1(v_started, p_instance, p_lease_s);
-    FOR i IN 1 .. n LOOP
-        item := v_item[i];
-        outcome := v_outcome[i];
-        job := v_job[i];
-        old_status := v_old[i];
-        changed := v_changed[i];
-        refunded := v_refunded[i];
-        promoted := coalesce(v_started[v_from[i] : v_to[i]], '{}');
+    s_job := aq_claim_started_v1(s_job, p_instance, p_lease_s);
+    FOR k IN SELECT i FROM generate_subscripts(e_item, 1) i ORDER BY e_item[i] LOOP
+        item := e_item[k];
+        job := e_job[k];
+        outcome := CASE WHEN job.id IS NULL THEN 'unknown' ELSE 'finished' END;
+        old_status := e_old[k];
+        changed := e_changed[k];
+        refunded := e_refunded[k];
+        promoted := ARRAY(SELECT s_job[j] FROM generate_subscripts(s_job, 1) j
+                           WHERE s_round[j] = e_round[k]
+                             AND k = aq_given_to_v1(e_item, e_job, e_changed, e_round,
+                                                    s_round[j], (s_job[j]).user_id)
+                           ORDER BY j);
+        asks_pass := v_ask AND item = (SELECT min(i) FROM unnest(e_item) i);
         RETURN NEXT;
     END LOOP;
 END
+$$;
+
+-- Which end of aq_finish_v3 a job started in round p_round goes with (its index): the first
+-- item of that round, in item order, that changed a job of p_user's; else the round's first
+-- item that changed any.
+CREATE OR REPLACE FUNCTION aq_given_to_v1(
+    p_items integer[], p_jobs analysis_jobs[], p_changed boolean[], p_rounds integer[],
+    p_round integer, p_user text)
+RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT i FROM generate_subscripts(p_items, 1) i
+     WHERE p_rounds[i] = p_round AND p_changed[i]
+     ORDER BY (p_jobs[i]).user_id IS DISTINCT FROM p_user, p_items[i]
+     LIMIT 1
 $$;

@@ -24,62 +24,89 @@ BEGIN
 END
 $$;
 
--- A user's lock if it is free now, else false at once: the reservation batch only tries, and
--- aq_lock_users_v1 tries each user before it waits (docs/locking.md).
-CREATE OR REPLACE FUNCTION aq_try_lock_user_v1(p_user_id text) RETURNS boolean
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    RETURN pg_try_advisory_xact_lock(aq_user_lock_key_v1(p_user_id));
-END
-$$;
-
--- How long a batch of admits or completions waits, in all, for users' locks held elsewhere
--- before it leaves those users to be decided alone: about one other batch's commit. Longer
--- delays every other click of the batch; shorter sends more clicks to a notifying commit of
--- their own (docs/benchmarks.md).
-CREATE OR REPLACE FUNCTION aq_batch_lock_wait_ms_v1() RETURNS integer
-LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 50 $$;
-
--- The user locks of a batch of decisions for many users (admission and completion group
--- commits): in sorted order, each tried, and one that is held elsewhere waited for while the
--- batch's wait budget of p_wait_ms lasts (the holder is usually another batch about to commit).
--- Returns the users it could not lock: their decisions leave the batch and are taken alone. So
--- a batch waits at most p_wait_ms for anyone's lock holder, and, waiting only in sorted order,
--- closes no cycle with the other batches and passes, which lock users in that order too
--- (docs/locking.md, rule 2).
-CREATE OR REPLACE FUNCTION aq_lock_users_v1(p_users text[], p_wait_ms integer)
-RETURNS text[]
+-- The users' locks, each waited for, in sorted order (docs/locking.md, rule 2): a transaction
+-- that waits for several users' locks closes no cycle with another that does the same.
+DROP FUNCTION IF EXISTS aq_lock_users_v1(text[], integer);
+CREATE OR REPLACE FUNCTION aq_lock_users_v1(p_users text[]) RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_user text;
-    v_busy text[] := '{}';
-    v_timeout text := current_setting('lock_timeout');
-    v_until timestamptz := clock_timestamp() + make_interval(secs => p_wait_ms / 1000.0);
-    v_left_ms integer;
 BEGIN
     FOR v_user IN SELECT DISTINCT u FROM unnest(p_users) u WHERE u IS NOT NULL ORDER BY u LOOP
-        CONTINUE WHEN aq_try_lock_user_v1(v_user);
-        v_left_ms := floor(extract(epoch FROM v_until - clock_timestamp()) * 1000);
-        IF v_left_ms >= 1 THEN
-            PERFORM set_config('lock_timeout', v_left_ms || 'ms', true);
-            BEGIN
-                PERFORM aq_lock_user_v1(v_user);
-                v_left_ms := NULL;  -- locked
-            EXCEPTION WHEN lock_not_available THEN
-                NULL;
-            END;
-            PERFORM set_config('lock_timeout', v_timeout, true);
-            CONTINUE WHEN v_left_ms IS NULL;
-        END IF;
-        v_busy := v_busy || v_user;
+        PERFORM aq_lock_user_v1(v_user);
     END LOOP;
-    RETURN v_busy;
 END
 $$;
 
--- The global lock guards the provider ceiling's slots and value. Its key text cannot equal a
--- user key (those are the queue's prefix and a colon, then the user id). Its four modes
--- (exclusive or shared, waited for or tried) each have one use: docs/locking.md.
+-- The credit holds of users (aq_reserve_v2), sorted: held by the reservations only, so that
+-- concurrent clicks of a user see each other's holds, without waiting for the user's lock,
+-- which a decision may hold a long time when the jobs table is (docs/locking.md). Taken after
+-- any user's lock, and nothing is waited for while it is held.
+CREATE OR REPLACE FUNCTION aq_lock_holds_v1(p_users text[]) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_user text;
+BEGIN
+    FOR v_user IN SELECT DISTINCT u FROM unnest(p_users) u WHERE u IS NOT NULL ORDER BY u LOOP
+        PERFORM pg_advisory_xact_lock(hashtextextended('analysis_queue_holds/' || v_user, 0));
+    END LOOP;
+END
+$$;
+
+-- The locks of a queue decision about p_users (admit, finish, promote): G in the mode the
+-- ceiling asks for, the ceiling read under it, then the users' locks, sorted. With the ceiling
+-- on, G is exclusive and the decision allocates global slots: the users whose ready jobs are
+-- next in the fair order for the slots it may give out (free now, plus one per job in
+-- p_ending, which it may end) are locked too, in the same sorted pass, so that the placement
+-- can give a slot to whoever's turn it is. A ceiling turned on while this waited for G shared
+-- allocates nothing (G cannot be upgraded without a deadlock): the decision asks for a pass.
+-- Returns the ceiling in force, whether it allocates, and every user it locked.
+CREATE OR REPLACE FUNCTION aq_lock_decision_v1(
+    p_users text[], p_ending uuid[],
+    OUT ceiling integer, OUT allocates boolean, OUT users text[])
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_give integer;
+    v_next record;
+    v_counted text[] := '{}';
+BEGIN
+    users := ARRAY(SELECT DISTINCT u FROM unnest(p_users) u WHERE u IS NOT NULL);
+    IF aq_ceiling_v2() IS NULL THEN
+        PERFORM aq_lock_global_shared_v1();
+        ceiling := aq_ceiling_v2();
+        allocates := ceiling IS NULL;
+    ELSE
+        PERFORM aq_lock_global_v1();
+        ceiling := aq_ceiling_v2();  -- after the wait
+        allocates := true;
+    END IF;
+    IF ceiling IS NOT NULL AND allocates THEN
+        -- Under G exclusive no slot fills and no job becomes ready but by this transaction.
+        SELECT ceiling - count(*) + coalesce(cardinality(p_ending), 0) INTO v_give
+          FROM analysis_jobs a WHERE a.status IN ('pending', 'running');
+        -- In turn order, one entry per delta and per user's first ready job.
+        FOR v_next IN
+            SELECT q.user_id, NOT aq_first_pass_v1(q.delta_of_job_id) AS delta
+              FROM analysis_jobs q
+             WHERE q.status = 'queued' AND q.waiting_for = 'provider_capacity'
+             ORDER BY q.turn_key, q.queue_seq
+        LOOP
+            EXIT WHEN v_give <= 0;
+            CONTINUE WHEN NOT v_next.delta AND v_next.user_id = ANY (v_counted);
+            v_give := v_give - 1;
+            v_counted := v_counted || v_next.user_id;
+            users := users || v_next.user_id;
+        END LOOP;
+    END IF;
+    users := ARRAY(SELECT DISTINCT u FROM unnest(users) u ORDER BY u);
+    PERFORM aq_lock_users_v1(users);
+END
+$$;
+
+-- The global lock G guards the provider ceiling's slots and value. Its key text cannot equal a
+-- user key (those are the queue's prefix and a colon, then the user id). Decisions wait for it,
+-- shared or exclusive (aq_lock_decision_v1); only the previous release's helpers try it
+-- (sql/previous_release/), with the two tries at the end of this file.
 CREATE OR REPLACE FUNCTION aq_lock_global_v1() RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN

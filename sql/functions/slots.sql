@@ -12,7 +12,15 @@
 -- is later. A free global slot goes to the smallest (turn_key, queue_seq): the user who has
 -- waited longest since their last start. Starting a job moves the user's other ready jobs to
 -- turn_key = now, behind everyone waiting: round robin. Deltas wait with turn_key -infinity,
--- ahead of every first-pass job, oldest first.
+-- ahead of every first-pass job, oldest first. One function decides all of it for a set of
+-- users: aq_place_locked_v1, below.
+
+-- First pass: a job that is not a delta re-check. Only first-pass jobs hold user slots and
+-- wait in their user's queue; a delta never queues behind them nor blocks them. Every query
+-- says it through this function (inlined: the planner sees delta_of_job_id IS NULL and uses
+-- the partial indexes, which spell it so since they were built).
+CREATE OR REPLACE FUNCTION aq_first_pass_v1(p_delta_of uuid) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT p_delta_of IS NULL $$;
 
 -- The ceiling as committed (NULL: off). Takes no lock: a decision that must not be overtaken by
 -- a change of the ceiling holds the global lock in some mode first and reads it after
@@ -28,22 +36,6 @@ $$;
 CREATE OR REPLACE FUNCTION aq_user_limit_v1(p_user_id text) RETURNS integer
 LANGUAGE sql STABLE AS $$
     SELECT coalesce((SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1)
-$$;
-
--- Lock held. The user's limit and the user slots their active first-pass jobs hold.
--- PL/pgSQL: a LANGUAGE sql function with OUT parameters is never inlined, so it would be parsed
--- and planned on every call (it was the largest single cost of the drain, docs/benchmarks.md).
-CREATE OR REPLACE FUNCTION aq_user_slots_v1(p_user_id text, OUT max_running integer,
-                                            OUT used integer[])
-LANGUAGE plpgsql STABLE AS $$
-BEGIN
-    max_running := coalesce(
-        (SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1);
-    SELECT coalesce(array_agg(a.user_slot), '{}') INTO used
-      FROM analysis_jobs a
-     WHERE a.user_id = p_user_id AND a.status IN ('pending', 'running')
-       AND a.delta_of_job_id IS NULL;
-END
 $$;
 
 -- The free slots in 1..p_limit that are not in p_used, lowest first, as many as the limit
@@ -67,71 +59,175 @@ BEGIN
 END
 $$;
 
--- Lock held. The lowest user slot free for p_user_id within its limit, or NULL at the limit.
-CREATE OR REPLACE FUNCTION aq_free_user_slot_v1(p_user_id text) RETURNS integer
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_used integer[];
-    v_limit integer;
+
+-- The placement rule, read only: where each queued job of p_users and each new job (p_new_*,
+-- in item order, after everything queued) goes, given the global slots p_slots this decision
+-- may give out (ceiling on; '{}' when it gives none). It is the write-up's CASE:
+--
+--   CASE WHEN first pass AND user_rank > user_room  THEN queued, your_previous_analysis
+--        WHEN ceiling off OR global_rank <= free       THEN pending
+--        ELSE                                               queued, provider_capacity END
+--
+-- user_rank: the job's place in its user's queue; user_room: their limit less what they run;
+-- global_rank: its place in the fair order (the header) among the jobs whose users have room;
+-- free: cardinality(p_slots). One row per job; moves: an existing job's place changes.
+CREATE OR REPLACE FUNCTION aq_placements_v1(
+    p_users text[], p_ceiling integer, p_slots integer[], p_now timestamptz,
+    p_new_ids uuid[], p_new_users text[], p_new_deltas boolean[])
+RETURNS TABLE (id uuid, user_id text, new boolean, delta boolean, seq bigint, status text,
+               user_slot integer, global_slot integer, wait text, turn timestamptz,
+               moves boolean)
+LANGUAGE plpgsql STABLE AS $$
 BEGIN
-    SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(p_user_id) s;
-    RETURN (aq_free_slots_v1(v_limit, v_used))[1];
+    RETURN QUERY
+    WITH u AS (
+        SELECT x.u AS user_id, coalesce(l.max_running, 1) AS lim, t.last_turn_at,
+               ARRAY(SELECT a.user_slot FROM analysis_jobs a
+                      WHERE a.user_id = x.u AND a.status IN ('pending', 'running')
+                        AND aq_first_pass_v1(a.delta_of_job_id)) AS used
+          FROM unnest(p_users) AS x(u)
+          LEFT JOIN user_limits l ON l.user_id = x.u
+          LEFT JOIN user_turns t ON t.user_id = x.u),
+    c AS (  -- the candidates: the queue (first pass), waiting deltas, then the new jobs
+        SELECT q.id, q.user_id, false AS new, false AS delta, q.queue_seq AS seq, q.created_at,
+               q.waiting_for, q.turn_key
+          FROM u JOIN analysis_jobs q ON q.user_id = u.user_id
+         WHERE q.status = 'queued' AND aq_first_pass_v1(q.delta_of_job_id)
+        UNION ALL
+        SELECT q.id, q.user_id, false, true, q.queue_seq, q.created_at, q.waiting_for, q.turn_key
+          FROM u JOIN analysis_jobs q ON q.user_id = u.user_id
+         WHERE q.status = 'queued' AND q.waiting_for = 'provider_capacity'
+           AND NOT aq_first_pass_v1(q.delta_of_job_id)
+        UNION ALL
+        SELECT n.id, n.u, true, n.d, (1::bigint << 62) + n.k, p_now, NULL, NULL
+          FROM unnest(p_new_ids, p_new_users, p_new_deltas) WITH ORDINALITY AS n(id, u, d, k)),
+    r AS (
+        SELECT c.*, u.lim, u.used, u.last_turn_at, u.lim - cardinality(u.used) AS room,
+               CASE WHEN NOT c.delta THEN
+                   row_number() OVER (PARTITION BY c.user_id, c.delta ORDER BY c.seq) END AS rank,
+               greatest(u.last_turn_at, c.created_at) AS turn
+          FROM c JOIN u ON u.user_id = c.user_id),
+    ready AS (  -- the fair order: deltas oldest first, then round by round (rank), each round
+                -- in the order of the users' first ready jobs
+        SELECT r.id,
+               row_number() OVER (ORDER BY r.delta DESC, coalesce(r.rank, 0), r.first_turn,
+                                           r.first_seq) AS global_rank
+          FROM (SELECT r.*,
+                       CASE WHEN r.delta THEN '-infinity' ELSE first_value(r.turn) OVER w END
+                           AS first_turn,
+                       CASE WHEN r.delta THEN r.seq ELSE first_value(r.seq) OVER w END AS first_seq
+                  FROM r WHERE r.delta OR r.rank <= r.room
+                WINDOW w AS (PARTITION BY r.user_id, r.delta ORDER BY r.seq)) r),
+    placed AS (
+        SELECT r.*, g.global_rank,
+               CASE WHEN NOT r.delta AND r.rank > r.room THEN 'your_previous_analysis'
+                    WHEN p_ceiling IS NULL OR g.global_rank <= cardinality(p_slots) THEN NULL
+                    ELSE 'provider_capacity' END AS w
+          FROM r LEFT JOIN ready g ON g.id = r.id),
+    started AS (
+        SELECT p.*, bool_or(p.w IS NULL AND NOT p.delta) OVER (PARTITION BY p.user_id) AS starts
+          FROM placed p),
+    final AS (
+        SELECT s.id, s.user_id, s.new, s.delta, s.seq,
+               CASE WHEN s.w IS NULL THEN 'pending' ELSE 'queued' END AS status,
+               CASE WHEN s.w IS NULL AND NOT s.delta
+                    THEN (aq_free_slots_v1(s.lim, s.used))[s.rank] END AS user_slot,
+               CASE WHEN s.w IS NULL AND p_ceiling IS NOT NULL
+                    THEN p_slots[s.global_rank] END AS global_slot,
+               s.w AS wait,
+               CASE WHEN s.w = 'provider_capacity' THEN
+                   CASE WHEN s.delta THEN '-infinity'::timestamptz
+                        WHEN s.starts AND p_ceiling IS NOT NULL THEN greatest(p_now, s.created_at)
+                        ELSE s.turn END END AS turn,
+               s.waiting_for, s.turn_key
+          FROM started s)
+    SELECT f.id, f.user_id, f.new, f.delta, f.seq, f.status, f.user_slot, f.global_slot, f.wait,
+           f.turn,
+           NOT f.new AND (f.status = 'pending' OR (f.wait, f.turn) IS DISTINCT FROM
+                                                    (f.waiting_for, f.turn_key))
+      FROM final f;
 END
 $$;
 
--- User lock held. Keep the waits of the user's queued first-pass jobs true: with the ceiling
--- on, the first (limit - active) wait for provider_capacity with their turn key, the rest for
--- your_previous_analysis; with it off, all wait for your_previous_analysis (a free slot is
--- filled at once). Writes only rows whose wait changes, and runs an UPDATE only when the read
--- before it found such a row: usually none changes, and an UPDATE of no row still opens the
--- table's indexes and runs the change trigger (job_events.sql). Every writer of a user's queued
--- jobs holds the user's lock, so what the reads find stays true until the UPDATEs; each UPDATE
--- checks its rows again all the same.
-CREATE OR REPLACE FUNCTION aq_refresh_waits_locked_v1(p_user_id text, p_ceiling integer)
-RETURNS void
+-- Locks held for p_users (aq_lock_decision_v1): place their queued jobs and the new jobs
+-- p_new_* by the rule above, giving out at most p_max global slots when p_allocates. Writes
+-- the queued jobs whose place changes and the turns of the users who started a job (ceiling
+-- on). Returns the jobs it started, the new jobs' places in order (the caller inserts them),
+-- and whether capacity is left that a pass must give out (a ceiling turned on meanwhile, or
+-- a ready user this decision did not lock).
+CREATE OR REPLACE FUNCTION aq_place_locked_v1(
+    p_users text[], p_ceiling integer, p_allocates boolean, p_max integer,
+    p_new_ids uuid[], p_new_users text[], p_new_deltas boolean[],
+    OUT promoted analysis_jobs[], OUT new_status text[], OUT new_user_slot integer[],
+    OUT new_global_slot integer[], OUT new_wait text[], OUT new_turn timestamptz[],
+    OUT asks_pass boolean)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_free integer := 0;
-    v_last timestamptz;
-    v_head uuid[];
-    v_stale uuid[];
+    v_now timestamptz := clock_timestamp();
+    v_slots integer[] := '{}';
+    m record;
 BEGIN
-    IF p_ceiling IS NOT NULL THEN
-        SELECT aq_user_limit_v1(p_user_id) - count(*) INTO v_free FROM analysis_jobs a
-         WHERE a.user_id = p_user_id AND a.status IN ('pending', 'running')
-           AND a.delta_of_job_id IS NULL;
-        SELECT t.last_turn_at INTO v_last FROM user_turns t WHERE t.user_id = p_user_id;
+    IF p_ceiling IS NOT NULL AND p_allocates THEN  -- the lowest free numbers
+        v_slots := ARRAY(
+            SELECT s FROM generate_series(1, p_ceiling) s
+             WHERE s <> ALL (ARRAY(SELECT a.global_slot FROM analysis_jobs a
+                                    WHERE a.status IN ('pending', 'running')
+                                      AND a.global_slot IS NOT NULL))
+             ORDER BY s
+             LIMIT least(greatest(p_ceiling - (SELECT count(*) FROM analysis_jobs a
+                                               WHERE a.status IN ('pending', 'running')), 0),
+                         coalesce(p_max, p_ceiling)));
     END IF;
-    -- The heads (the first v_free queued), and those of them whose wait or turn is not yet so.
-    SELECT coalesce(array_agg(h.id), '{}'), coalesce(array_agg(h.id) FILTER (WHERE h.stale), '{}')
-      INTO v_head, v_stale
-      FROM (SELECT q.id,
-                   (q.waiting_for, q.turn_key) IS DISTINCT FROM
-                   ('provider_capacity', greatest(v_last, q.created_at)) AS stale
-              FROM analysis_jobs q
-             WHERE q.user_id = p_user_id AND q.status = 'queued' AND q.delta_of_job_id IS NULL
-             ORDER BY q.queue_seq
-             LIMIT greatest(v_free, 0)) h;
-    IF cardinality(v_stale) > 0 THEN
-        UPDATE analysis_jobs j
-           SET waiting_for = 'provider_capacity',
-               turn_key = greatest(v_last, j.created_at),
-               updated_at = clock_timestamp()
-         WHERE j.id = ANY (v_stale) AND j.status = 'queued'
-           AND (j.waiting_for, j.turn_key) IS DISTINCT FROM
-               ('provider_capacity', greatest(v_last, j.created_at));
+    SELECT array_agg(p.id) FILTER (WHERE p.moves) AS ids,
+           array_agg(p.status) FILTER (WHERE p.moves) AS statuses,
+           array_agg(p.user_slot) FILTER (WHERE p.moves) AS uslots,
+           array_agg(p.global_slot) FILTER (WHERE p.moves) AS gslots,
+           array_agg(p.wait) FILTER (WHERE p.moves) AS waits,
+           array_agg(p.turn) FILTER (WHERE p.moves) AS turns,
+           coalesce(array_agg(p.status ORDER BY p.seq) FILTER (WHERE p.new), '{}') AS n_status,
+           coalesce(array_agg(p.user_slot ORDER BY p.seq) FILTER (WHERE p.new), '{}') AS n_uslot,
+           coalesce(array_agg(p.global_slot ORDER BY p.seq) FILTER (WHERE p.new), '{}') AS n_gslot,
+           coalesce(array_agg(p.wait ORDER BY p.seq) FILTER (WHERE p.new), '{}') AS n_wait,
+           coalesce(array_agg(p.turn ORDER BY p.seq) FILTER (WHERE p.new), '{}') AS n_turn,
+           array_agg(DISTINCT p.user_id) FILTER (WHERE p.status = 'pending' AND NOT p.delta)
+               AS starters,
+           coalesce(bool_or(p.wait = 'provider_capacity'), false) AS waits_capacity,
+           count(*) FILTER (WHERE p.global_slot IS NOT NULL) AS given
+      INTO m
+      FROM aq_placements_v1(p_users, p_ceiling, v_slots, v_now,
+                            p_new_ids, p_new_users, p_new_deltas) p;
+    new_status := m.n_status;
+    new_user_slot := m.n_uslot;
+    new_global_slot := m.n_gslot;
+    new_wait := m.n_wait;
+    new_turn := m.n_turn;
+    promoted := '{}';
+    IF m.ids IS NOT NULL THEN
+        WITH moved AS (
+            UPDATE analysis_jobs j
+               SET status = x.status, user_slot = x.uslot, global_slot = x.gslot,
+                   waiting_for = x.wait, turn_key = x.turn, updated_at = v_now,
+                   promoted_at = CASE WHEN x.status = 'pending' THEN v_now END
+              FROM unnest(m.ids, m.statuses, m.uslots, m.gslots, m.waits, m.turns)
+                   AS x(id, status, uslot, gslot, wait, turn)
+             WHERE j.id = x.id AND j.status = 'queued'
+            RETURNING j)
+        SELECT coalesce(array_agg(d.j ORDER BY (d.j).user_id, (d.j).queue_seq)
+                            FILTER (WHERE (d.j).status = 'pending'), '{}')
+          INTO promoted FROM moved d;
     END IF;
-    -- The rest: no longer at the head, no longer waiting for capacity.
-    IF EXISTS (SELECT 1 FROM analysis_jobs j
-                WHERE j.user_id = p_user_id AND j.status = 'queued'
-                  AND j.waiting_for = 'provider_capacity' AND j.delta_of_job_id IS NULL
-                  AND j.id <> ALL (v_head)) THEN
-        UPDATE analysis_jobs j
-           SET waiting_for = 'your_previous_analysis', turn_key = NULL,
-               updated_at = clock_timestamp()
-         WHERE j.user_id = p_user_id AND j.status = 'queued'
-           AND j.waiting_for = 'provider_capacity'
-           AND j.delta_of_job_id IS NULL AND j.id <> ALL (v_head);
+    IF p_ceiling IS NOT NULL AND m.starters IS NOT NULL THEN
+        INSERT INTO user_turns AS t (user_id, last_turn_at)
+        SELECT u, v_now FROM unnest(m.starters) u ORDER BY u
+        ON CONFLICT (user_id) DO UPDATE SET last_turn_at = EXCLUDED.last_turn_at;
     END IF;
+    -- Capacity left while someone waits for it: this decision could not give it (no
+    -- allocation), or its waiter's user is not locked here.
+    asks_pass := p_ceiling IS NOT NULL AND (
+        (NOT p_allocates AND m.waits_capacity)
+        OR (p_allocates AND m.given < cardinality(v_slots) AND EXISTS (
+                SELECT 1 FROM analysis_jobs q
+                 WHERE q.status = 'queued' AND q.waiting_for = 'provider_capacity'
+                   AND q.user_id <> ALL (p_users))));
 END
 $$;

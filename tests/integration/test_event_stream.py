@@ -18,6 +18,7 @@ import asyncpg
 import orjson
 import pytest
 from analysis_queue.http.auth import mint_token
+from analysis_queue.models import AdmitRequest, ReserveRequest
 from analysis_queue.store.database import Database
 from support import JWT_SECRET, Harness, Instance, fetch, fetchval, thesis_body, wait_for
 
@@ -712,27 +713,31 @@ async def test_concurrent_writers_get_dense_ids_per_user(database_url: str) -> N
         async def admit(user: str) -> None:
             run_id, job_id = uuid.uuid4(), uuid.uuid4()
             reservation = await db.reserve(
-                user_id=user,
-                run_id=run_id,
-                job_id=job_id,
-                cost=1,
-                thesis={"title": "t", "document_url": "https://x.example/t.pdf"},
-                sources=["10.1000/x"],
-                idempotency_key=None,
-                request_hash=None,
+                ReserveRequest(
+                    user_id=user,
+                    run_id=run_id,
+                    job_id=job_id,
+                    cost=1,
+                    thesis={"title": "t", "document_url": "https://x.example/t.pdf"},
+                    sources=["10.1000/x"],
+                    idempotency_key=None,
+                    request_hash=None,
+                )
             )
             assert reservation.outcome == "reserved"
             await db.admit(
-                job_id=job_id,
-                user_id=user,
-                run_id=run_id,
-                core_run_id=f"core-{job_id}",
-                thesis={"title": "t", "document_url": "https://x.example/t.pdf"},
-                sources=["10.1000/x"],
-                cost=1,
-                delta_of=None,
-                idempotency_key=None,
-                request_hash=None,
+                AdmitRequest(
+                    job_id=job_id,
+                    user_id=user,
+                    run_id=run_id,
+                    core_run_id=f"core-{job_id}",
+                    thesis={"title": "t", "document_url": "https://x.example/t.pdf"},
+                    sources=["10.1000/x"],
+                    cost=1,
+                    delta_of=None,
+                    idempotency_key=None,
+                    request_hash=None,
+                )
             )
 
         await asyncio.gather(*(admit("a" if n % 3 else "b") for n in range(40)))

@@ -1,6 +1,6 @@
 """Admissions and completions as group commits: the clicks (and Core's reports) that arrive
 together share one transaction and one notifying commit, and each is still decided for itself,
-in arrival order; one whose user's lock is held elsewhere is decided alone and delays nobody."""
+in arrival order, by the one function of its decision; a lone click is a batch of one."""
 
 from __future__ import annotations
 
@@ -65,10 +65,9 @@ def _admit(r: ReserveRequest) -> AdmitRequest:
 
 async def _reserved(db: Database, requests: list[ReserveRequest]) -> None:
     reservations = await db.reserve_many(requests)
-    assert [reservations[r].outcome for r in requests] == [BatchOutcome.DONE] * len(requests)
-    for r in requests:
-        reservation = reservations[r].result
-        assert reservation is not None and reservation.outcome is ReservationOutcome.RESERVED
+    assert [reservations[r].outcome for r in requests] == [ReservationOutcome.RESERVED] * len(
+        requests
+    )
 
 
 async def test_each_click_of_a_batch_is_decided_for_itself_in_arrival_order(
@@ -78,7 +77,7 @@ async def test_each_click_of_a_batch_is_decided_for_itself_in_arrival_order(
     await db.grant_credits("bob", 1)
     clicks = [_reserve("alice"), _reserve("bob"), _reserve("alice"), _reserve("carol")]
     reservations = await db.reserve_many(clicks)
-    outcomes = [reservations[c].result.outcome for c in clicks]
+    outcomes = [reservations[c].outcome for c in clicks]
     assert outcomes == ["reserved", "reserved", "reserved", "insufficient_credits"]
 
     admitted = await db.admit_many([_admit(c) for c in clicks[:3]])
@@ -148,7 +147,16 @@ async def test_a_refusal_in_a_batch_rolls_back_nothing_of_its_neighbours(
     await db.grant_credits("alice", 1)
     await db.grant_credits("bob", 1)
     first, second, neighbour = _reserve("alice"), _reserve("alice"), _reserve("bob")
-    await _reserved(db, [first, second, neighbour])  # both of alice's fit her balance now
+    await _reserved(db, [first, neighbour])
+    # A reservation of the previous release's, which held nothing: both of alice's fit her
+    # balance when they were made.
+    await fetchval(
+        database_url,
+        "INSERT INTO core_run_reservations (run_id, job_id, user_id, thesis, sources)"
+        " VALUES ($1, $2, 'alice', '{}', '[]') RETURNING 1",
+        second.run_id,
+        second.job_id,
+    )
     gone = _reserve("dave")  # its reservation was reclaimed by the sweep meanwhile
     admitted = await db.admit_many([_admit(first), _admit(second), _admit(gone), _admit(neighbour)])
     assert [admitted[a].outcome for a in admitted] == [
@@ -165,47 +173,97 @@ async def test_a_refusal_in_a_batch_rolls_back_nothing_of_its_neighbours(
     await check_invariants(database_url)
 
 
-async def test_a_click_whose_user_is_busy_elsewhere_is_left_to_decide_alone(
+async def test_concurrent_clicks_see_each_others_holds_and_a_released_hold_frees_its_credit(
     db: Database, database_url: str
 ) -> None:
+    """A user with 2 credits clicks three times in one batch, then once more: the holds of
+    the reservations still in flight count, so only two reach Core; releasing one (Core
+    refused it) frees its credit for the next click, once."""
+    await db.grant_credits("alice", 2)
+    clicks = [_reserve("alice"), _reserve("alice"), _reserve("alice")]
+    reservations = await db.reserve_many(clicks)
+    assert [reservations[c].outcome for c in clicks] == [
+        ReservationOutcome.RESERVED,
+        ReservationOutcome.RESERVED,
+        ReservationOutcome.INSUFFICIENT_CREDITS,
+    ]
+    assert reservations[clicks[2]].balance == 0, "nothing left to hold"
+    assert (await db.reserve(_reserve("alice"))).outcome is ReservationOutcome.INSUFFICIENT_CREDITS
+    await db.release_reservation(clicks[1].run_id)  # Core refused the second
+    again = _reserve("alice")
+    assert (await db.reserve(again)).outcome is ReservationOutcome.RESERVED
+    # The hold becomes the debit: the balance moves once, at the admit.
+    assert await db.balance("alice") == 2
+    admitted = await db.admit_many([_admit(clicks[0]), _admit(again)])
+    assert [admitted[a].outcome for a in admitted] == [BatchOutcome.DONE] * 2
+    assert await db.balance("alice") == 0
+    assert await fetchval(database_url, "SELECT count(*) FROM core_run_reservations") == 0
+    await check_invariants(database_url)
+
+
+async def test_a_failed_admit_keeps_its_key_taken_and_gives_its_credit_back(
+    db: Database, database_url: str
+) -> None:
+    """A user with 1 credit: a click whose admit failed (database away) keeps its reservation,
+    so its retry is told the key is in progress and Core is not asked again, but its hold is
+    released, so a new click can be paid; a click Core did not answer gives its key and its
+    credit back, its reservation left to the sweep."""
+    await db.grant_credits("bea", 1)
+    failed = _reserve("bea", key="bea-1")
+    await _reserved(db, [failed])
+    assert (await db.reserve(_reserve("bea"))).outcome is ReservationOutcome.INSUFFICIENT_CREDITS
+    await db.release_hold(failed.run_id)
+    assert (await db.reserve(failed)).outcome is ReservationOutcome.IN_PROGRESS
+    unanswered = _reserve("bea", key="bea-2")
+    await _reserved(db, [unanswered])
+    await db.orphan_reservation(unanswered.run_id)
+    assert (await db.reserve(dataclasses.replace(unanswered, run_id=uuid.uuid4()))).outcome is (
+        ReservationOutcome.RESERVED
+    ), "the key and the credit free for the retry"
+    held = await fetch(
+        database_url,
+        "SELECT run_id, cost FROM core_run_reservations WHERE user_id = 'bea' ORDER BY created_at",
+    )
+    assert [(r["run_id"], r["cost"]) for r in held][:2] == [
+        (failed.run_id, 0),
+        (unanswered.run_id, 0),
+    ], "both left to the sweep, holding nothing"
+    assert sum(r["cost"] for r in held) == 1, "the retry holds the one credit"
+    await check_invariants(database_url)
+
+
+async def test_a_batch_waits_for_a_busy_users_lock_and_then_decides_every_click(
+    db: Database, database_url: str
+) -> None:
+    """A click whose user's lock another transaction holds is decided in its batch: the batch
+    waits for that lock (sorted, bounded by the function's lock_timeout), then decides every
+    click in arrival order, the keyed one's reservation included."""
     for user in ("alice", "bob"):
         await db.grant_credits(user, 5)
     clicks = [_reserve("alice"), _reserve("bob"), _reserve("alice", key="k1")]
     holder = await asyncpg.connect(database_url)
     try:
         await holder.execute("BEGIN; SELECT aq_lock_user_v1('alice')")
-        reservations = await db.reserve_many(clicks)
-        # Only a keyed reservation takes its user's lock: the others go through.
-        assert [reservations[c].outcome for c in clicks] == [
-            BatchOutcome.DONE,
-            BatchOutcome.DONE,
-            BatchOutcome.BUSY,
-        ]
-        admitted = await db.admit_many([_admit(c) for c in clicks[:2]])
-        assert [admitted[a].outcome for a in admitted] == [BatchOutcome.BUSY, BatchOutcome.DONE]
-    finally:
+        reserving = asyncio.create_task(db.reserve_many(clicks))
+        await wait_until_blocked(database_url, holder.get_server_pid())
+        assert not reserving.done()
         await holder.execute("ROLLBACK")
-        await holder.close()
-    assert [
-        r["user_id"] for r in await fetch(database_url, "SELECT user_id FROM analysis_jobs")
-    ] == ["bob"]
-
-
-async def test_once_a_user_is_busy_their_later_clicks_in_the_batch_are_too(
-    db: Database, database_url: str
-) -> None:
-    await db.grant_credits("alice", 5)
-    clicks = [_reserve("alice"), _reserve("alice")]
-    await _reserved(db, clicks)
-    holder = await asyncpg.connect(database_url)
-    try:
+        reservations = await asyncio.wait_for(reserving, 10)
+        assert [reservations[c].outcome for c in clicks] == [ReservationOutcome.RESERVED] * 3
         await holder.execute("BEGIN; SELECT aq_lock_user_v1('alice')")
-        admitted = await db.admit_many([_admit(c) for c in clicks])
-        # The first is busy; the second must not overtake it, even if the lock were free.
-        assert [admitted[a].outcome for a in admitted] == [BatchOutcome.BUSY, BatchOutcome.BUSY]
-    finally:
+        admitting = asyncio.create_task(db.admit_many([_admit(c) for c in clicks]))
+        await wait_until_blocked(database_url, holder.get_server_pid())
         await holder.execute("ROLLBACK")
+        admitted = await asyncio.wait_for(admitting, 10)
+    finally:
         await holder.close()
+    jobs = [admitted[a].result.job for a in admitted]
+    assert [(j.user_id, j.status, j.queue_position) for j in jobs] == [
+        ("alice", JobStatus.PENDING, None),
+        ("bob", JobStatus.PENDING, None),
+        ("alice", JobStatus.QUEUED, 1),
+    ]
+    await check_invariants(database_url)
 
 
 async def _users_locked_by(dsn: str, pid: int) -> set[str]:
@@ -221,40 +279,27 @@ async def _users_locked_by(dsn: str, pid: int) -> set[str]:
     return {r["u"] for r in rows}
 
 
-async def test_a_batch_waits_a_moment_for_a_busy_user_in_sorted_order(
-    database_url: str,
-) -> None:
-    """aq_lock_users_v1: a batch's users' locks are taken in sorted order, and one held
-    elsewhere is waited for while the batch's budget lasts (here long): released meanwhile,
-    the user stays in the batch. With no budget left, the user is busy at once."""
+async def test_a_batch_takes_its_users_locks_in_sorted_order(database_url: str) -> None:
+    """aq_lock_users_v1: a batch's users' locks are taken in sorted order, each waited for: the
+    batch holds alice's while it waits for bob's, and takes carol's only after bob's."""
     holder = await asyncpg.connect(database_url)
     batch = await asyncpg.connect(database_url)
     try:
         await holder.execute("BEGIN; SELECT aq_lock_user_v1('bob')")
         await batch.execute("BEGIN")
         locking = asyncio.create_task(
-            batch.fetchval("SELECT aq_lock_users_v1(ARRAY['carol', 'bob', 'alice', 'bob'], 60000)")
+            batch.execute("SELECT aq_lock_users_v1(ARRAY['carol', 'bob', 'alice', 'bob'])")
         )
         await wait_until_blocked(database_url, holder.get_server_pid())
-        # Sorted: alice's lock is taken, carol's waits until bob's is.
         assert await _users_locked_by(database_url, batch.get_server_pid()) == {"alice"}
         await holder.execute("ROLLBACK")
-        assert await asyncio.wait_for(locking, 10) == []
+        await asyncio.wait_for(locking, 10)
         assert await _users_locked_by(database_url, batch.get_server_pid()) == {
             "alice",
             "bob",
             "carol",
         }
-        assert await batch.fetchval("SHOW lock_timeout") == "0", "its own wait bound is undone"
         await batch.execute("ROLLBACK")
-
-        await holder.execute("BEGIN; SELECT aq_lock_user_v1('bob')")
-        await batch.execute("BEGIN")
-        busy = await batch.fetchval("SELECT aq_lock_users_v1(ARRAY['carol', 'bob', 'alice'], 0)")
-        assert busy == ["bob"]
-        assert await _users_locked_by(database_url, batch.get_server_pid()) == {"alice", "carol"}
-        await batch.execute("ROLLBACK")
-        await holder.execute("ROLLBACK")
     finally:
         await holder.close()
         await batch.close()
@@ -295,17 +340,13 @@ async def test_completions_of_a_batch_each_fill_the_slot_they_free(
     )
     again = dataclasses.replace(done[0])  # Core reports the same run twice in one batch
     finished = await db.finish_many([*done, unknown, again], Claim("inst-b", 60))
-    outcomes = [finished[r] for r in (*done, unknown)]
-    duplicate = finished[again].result
+    duplicate = finished[again]
     assert duplicate is not None and not duplicate.changed, "a report changes a job once"
-    assert [o.outcome for o in outcomes] == [
-        BatchOutcome.DONE,
-        BatchOutcome.DONE,
-        BatchOutcome.UNKNOWN,
-    ]
-    for outcome in outcomes[:2]:
-        assert outcome.result is not None and outcome.result.changed
-        assert [(j.status, j.claimed_by) for j in outcome.result.promoted] == [
+    assert finished[unknown] is None
+    for report in done:
+        outcome = finished[report]
+        assert outcome is not None and outcome.changed
+        assert [(j.status, j.claimed_by) for j in outcome.promoted] == [
             (JobStatus.PENDING, "inst-b")
         ]
     statuses = await fetch(
@@ -350,7 +391,7 @@ async def test_completions_of_a_batch_are_written_together_as_report_by_report(
         _ended(a2.core_run_id),
     ]
     finished = await db.finish_many(reports, Claim("inst-a", 60))
-    results = [finished[r].result for r in reports]
+    results = [finished[r] for r in reports]
     assert all(r is not None for r in results)
     assert [(r.job.status, r.changed) for r in results if r] == [
         (JobStatus.SUCCEEDED, True),
@@ -418,7 +459,7 @@ async def test_clicks_that_arrive_together_share_statements_and_get_their_own_an
     await check_invariants(h.database_url)
 
 
-async def test_a_click_whose_user_is_busy_waits_alone_and_its_neighbours_do_not(
+async def test_a_click_whose_user_is_busy_waits_and_its_neighbours_do_not(
     harness: Harness,
 ) -> None:
     h = harness
@@ -432,7 +473,7 @@ async def test_a_click_whose_user_is_busy_waits_alone_and_its_neighbours_do_not(
         alice = asyncio.create_task(h.admit("alice", 1))
         bob = await asyncio.wait_for(h.admit("bob", 1), 10)  # never waits for alice's lock
         assert bob[0] == 201
-        # Alice's click left its batch and waits for her lock by itself.
+        # Alice's click waits for her lock in its batch; bob's went out beside it.
         await wait_until_blocked(h.database_url, holder.get_server_pid())
         assert not alice.done()
     finally:

@@ -38,80 +38,33 @@ Q = queries()
 Op = Callable[["asyncpg.Connection[Any]", random.Random], Awaitable[None]]
 
 
-async def _one(conn: asyncpg.Connection[Any], sql: str, *args: Any) -> Any:
-    return await conn.fetchrow(sql, *args)
+def _reservation(item: int, user: str, key: str | None = None) -> dict[str, Any]:
+    return {
+        "item": item,
+        "user_id": user,
+        "run_id": uuid.uuid4(),
+        "job_id": uuid.uuid4(),
+        "cost": 1,
+        "thesis": THESIS,
+        "sources": [],
+        "idempotency_key": key,
+        "request_hash": "h" if key else None,
+    }
 
 
-async def admit(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
-    """reserve, then admit, in two transactions, as queue/admit.py does around Core's call."""
-    user = rng.choice(USERS)
-    run_id, job_id = uuid.uuid4(), uuid.uuid4()
-    delta_of = None
-    if rng.random() < 0.2:
-        delta_of = await conn.fetchval(
-            "SELECT id FROM analysis_jobs WHERE user_id = $1 AND status = 'succeeded'"
-            " AND delta_of_job_id IS NULL LIMIT 1",
-            user,
-        )
-    reserved = await _one(conn, Q["reserve"], user, run_id, job_id, 1, THESIS, [], None, None)
-    if reserved["outcome"] != "reserved":
-        return
-    await _one(
-        conn,
-        Q["admit"],
-        job_id,
-        user,
-        run_id,
-        f"core-{job_id}",
-        THESIS,
-        [],
-        1,
-        delta_of,
-        None,
-        None,
-    )
-
-
-async def reserve_with_key(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
-    user = rng.choice(USERS)
-    await _one(conn, Q["reserve"], user, uuid.uuid4(), uuid.uuid4(), 1, THESIS, [], "same-key", "h")
-    await conn.execute(
-        "DELETE FROM core_run_reservations WHERE user_id = $1 AND idempotency_key = 'same-key'",
-        user,
-    )
-
-
-async def admit_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
-    """A group commit of clicks of both users (queue/admit.py): their reservations in one
-    transaction, then their admits in another, in arrival order."""
-    clicks = [
-        {"item": n, "user_id": rng.choice(USERS), "run_id": uuid.uuid4(), "job_id": uuid.uuid4()}
-        for n in range(rng.randint(2, 5))
-    ]
-    reservations = [
-        {
-            **c,
-            "cost": 1,
-            "thesis": THESIS,
-            "sources": [],
-            "idempotency_key": None,
-            "request_hash": None,
-        }
-        for c in clicks
-    ]
+async def _reserve_and_admit(
+    conn: asyncpg.Connection[Any], clicks: list[dict[str, Any]], instance: str | None
+) -> None:
+    """The clicks' reservations in one transaction, then their admits in another, in arrival
+    order, as queue/admit.py does around Core's call."""
     reserved = {
-        r["item"]
-        for r in await conn.fetch(Q["reserve_many"], reservations)
-        if r["outcome"] == "reserved"
+        r["item"] for r in await conn.fetch(Q["reserve"], clicks) if r["outcome"] == "reserved"
     }
     admits = [
         {
-            **c,
+            **{k: c[k] for k in ("user_id", "run_id", "job_id", "thesis", "sources", "cost")},
             "core_run_id": f"core-{c['job_id']}",
-            "thesis": THESIS,
-            "sources": [],
-            "cost": 1,
-            "delta_of": None,
+            "delta_of": c.get("delta_of"),
             "idempotency_key": None,
             "request_hash": None,
         }
@@ -121,7 +74,34 @@ async def admit_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> None
     for n, a in enumerate(admits):
         a["item"] = n
     if admits:
-        await conn.fetch(Q["admit_many"], admits, f"inst-{rng.random()}", 0.05)
+        await conn.fetch(Q["admit"], admits, instance, 0.05 if instance else None)
+
+
+async def admit(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
+    """One click: a batch of one."""
+    click = _reservation(0, rng.choice(USERS))
+    if rng.random() < 0.2:
+        click["delta_of"] = await conn.fetchval(
+            "SELECT id FROM analysis_jobs WHERE user_id = $1 AND status = 'succeeded'"
+            " AND delta_of_job_id IS NULL LIMIT 1",
+            click["user_id"],
+        )
+    await _reserve_and_admit(conn, [click], None)
+
+
+async def reserve_with_key(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
+    user = rng.choice(USERS)
+    await conn.fetch(Q["reserve"], [_reservation(0, user, "same-key")])
+    await conn.execute(
+        "DELETE FROM core_run_reservations WHERE user_id = $1 AND idempotency_key = 'same-key'",
+        user,
+    )
+
+
+async def admit_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
+    """A group commit of clicks of both users (queue/admit.py)."""
+    clicks = [_reservation(n, rng.choice(USERS)) for n in range(rng.randint(2, 5))]
+    await _reserve_and_admit(conn, clicks, f"inst-{rng.random()}")
 
 
 async def finish_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
@@ -144,12 +124,12 @@ async def finish_batch(conn: asyncpg.Connection[Any], rng: random.Random) -> Non
         for n, r in enumerate(runs)
     ]
     if items:
-        await conn.fetch(Q["finish_many"], items, f"inst-{rng.random()}", 0.05)
+        await conn.fetch(Q["finish"], items, f"inst-{rng.random()}", 0.05)
 
 
 async def _finish(conn: asyncpg.Connection[Any], job_id: Any, status: str, fr: list[str]) -> None:
-    delete = status == "cancelled"
-    await _one(conn, Q["finish"], job_id, None, None, status, fr, delete, None, None, None, True)
+    item = {"item": 0, "job_id": job_id, "status": status, "from": fr, "ran": True}
+    await conn.fetch(Q["finish"], [{**item, "delete": status == "cancelled"}], None, None)
 
 
 async def finish(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
@@ -192,11 +172,7 @@ async def mark_running(conn: asyncpg.Connection[Any], rng: random.Random) -> Non
     instance = f"inst-{rng.random()}"
     pending = await conn.fetch("SELECT id FROM analysis_jobs WHERE status = 'pending'")
     claimed = await conn.fetch(Q["jobs_claim"], [r["id"] for r in pending], instance, 60)
-    ids = [r["id"] for r in claimed]
-    marked = await conn.fetch(Q["jobs_mark_running"], ids, instance, False)
-    busy = [r["job_id"] for r in marked if not r["moved"]]
-    if busy:  # then those left, waiting (dispatch.py)
-        await conn.fetch(Q["jobs_mark_running"], busy, instance, True)
+    await conn.fetch(Q["jobs_mark_running"], [r["id"] for r in claimed], instance)
 
 
 async def release_retry(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
@@ -212,8 +188,9 @@ async def release_retry(conn: asyncpg.Connection[Any], rng: random.Random) -> No
 async def stale_reservations(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
     """A reservation whose admit died, taken by the sweep, and put back when Core cannot be
     told to cancel its held run (loops/sweep.py)."""
-    user, run_id, job_id = rng.choice(USERS), uuid.uuid4(), uuid.uuid4()
-    await _one(conn, Q["reserve"], user, run_id, job_id, 1, THESIS, [], None, None)
+    click = _reservation(0, rng.choice(USERS))
+    run_id = click["run_id"]
+    await conn.fetch(Q["reserve"], [click])
     await conn.execute(
         "UPDATE core_run_reservations SET created_at = now() - interval '1 hour' WHERE run_id = $1",
         run_id,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
 import uuid
 from pathlib import Path
@@ -158,7 +159,12 @@ async def test_a_fresh_install_and_an_upgrade_end_in_the_same_catalog(
         names_before = {row[0] for row in before}
         names_after = {row[0] for row in a["functions"]}
         assert {"aq_job_notify_v1", "aq_job_event_v1"} <= names_before - names_after
-        assert {"aq_admit_v2", "aq_finish_v2", "aq_promote_woken_v1"} <= names_after
+        assert {
+            "aq_admit_v3",
+            "aq_finish_v3",
+            "aq_promote_v3",
+            "aq_promote_woken_v1",
+        } <= names_after
         assert {"aq_admit_v1", "aq_finish_v1", "aq_promote_v2"} <= names_before & names_after
         assert {name for name, *_ in a["repeatables"]} == {r.name for r in repeatables()}
     finally:
@@ -168,7 +174,7 @@ async def test_a_fresh_install_and_an_upgrade_end_in_the_same_catalog(
 
 async def test_an_upgrade_keeps_the_queue_and_serves_both_releases(empty_database: str) -> None:
     """Jobs admitted under 0.1 survive the upgrade; afterwards an instance of either release can
-    finish one and promote the next (0.1 calls aq_finish_v1, this release aq_finish_v2)."""
+    finish one and promote the next (0.1 calls aq_finish_v1, this release aq_finish_v3)."""
     dsn = empty_database
     await _install_0_1(dsn)
     c = await asyncpg.connect(dsn)
@@ -209,9 +215,19 @@ async def test_an_upgrade_keeps_the_queue_and_serves_both_releases(empty_databas
         # This release: the same, and it says every job it promoted and whether it refunded.
         new = await c.fetchrow(
             "SELECT f.changed, f.refunded, (SELECT array_agg(p.id) FROM unnest(f.promoted) p)"
-            " AS promoted FROM aq_finish_v2($1, NULL, NULL, 'failed', '{pending,running}',"
-            " false, 'analysis_failed', NULL, NULL, true) f",
-            jobs[1][0],
+            " AS promoted FROM aq_finish_v3($1::jsonb, NULL, NULL) f",
+            json.dumps(
+                [
+                    {
+                        "item": 0,
+                        "job_id": str(jobs[1][0]),
+                        "status": "failed",
+                        "from": ["pending", "running"],
+                        "error_code": "analysis_failed",
+                        "ran": True,
+                    }
+                ]
+            ),
         )
         assert (new["changed"], new["refunded"], new["promoted"]) == (True, True, [jobs[2][0]])
     finally:

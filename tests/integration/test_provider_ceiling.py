@@ -571,8 +571,9 @@ async def test_a_lowered_ceiling_lets_running_jobs_finish_before_anything_starts
 async def test_a_completion_in_flight_when_the_ceiling_is_lowered_obeys_the_new_one(
     harness: Harness,
 ) -> None:
-    """A completion reads the ceiling, then waits for its user's lock; meanwhile the ceiling is
-    lowered. Once it runs, it must judge by the new ceiling, not the one it read."""
+    """A completion reads the ceiling, then waits for the global lock, which a change of the
+    ceiling holds; meanwhile the ceiling is lowered. Once it runs, it must judge by the new
+    ceiling, not the one it read."""
     h = harness
     h.sim.judge_time_s = FOREVER_S
     inst = await h.start_instance(global_max_running=3, sweep_interval_s=0, listen_enabled=False)
@@ -585,7 +586,7 @@ async def test_a_completion_in_flight_when_the_ceiling_is_lowered_obeys_the_new_
     try:
         tx = holder.transaction()
         await tx.start()
-        await holder.execute("SELECT aq_lock_user_v1('p')")  # the completion will wait here
+        await holder.execute("SELECT aq_set_ceiling_v1(1)")  # holds G until it commits
         finish = asyncio.create_task(
             inst.services.db.finish(
                 job_id=uuid.UUID(jobs[0]["id"]),
@@ -594,11 +595,10 @@ async def test_a_completion_in_flight_when_the_ceiling_is_lowered_obeys_the_new_
                 ran=True,
             )
         )
-        # It has read the ceiling (3) and waits for the user lock.
+        # It has read the ceiling (3) and waits for the global lock.
         await wait_until_blocked(h.database_url, holder.get_server_pid())
         assert not finish.done()
-        await fetchval(h.database_url, "SELECT aq_set_ceiling_v1(1)")
-        await tx.rollback()
+        await tx.commit()
         result = await finish
     finally:
         await holder.close()

@@ -19,7 +19,7 @@ import asyncpg
 import pytest
 from analysis_queue.core.client import CoreClient
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import Job
+from analysis_queue.models import AdmitRequest, Job, ReserveRequest
 from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.followup import FollowUp
@@ -220,14 +220,16 @@ async def test_delta_never_waits_behind_its_users_queue(conn: asyncpg.Connection
 async def _reserve(db: Database, user: str, cost: int) -> tuple[uuid.UUID, uuid.UUID]:
     run_id, job_id = uuid.uuid4(), uuid.uuid4()
     reservation = await db.reserve(
-        user_id=user,
-        run_id=run_id,
-        job_id=job_id,
-        cost=cost,
-        thesis=THESIS,
-        sources=SOURCES,
-        idempotency_key=None,
-        request_hash=None,
+        ReserveRequest(
+            user_id=user,
+            run_id=run_id,
+            job_id=job_id,
+            cost=cost,
+            thesis=THESIS,
+            sources=SOURCES,
+            idempotency_key=None,
+            request_hash=None,
+        )
     )
     assert reservation.outcome == "reserved", reservation
     return run_id, job_id
@@ -242,16 +244,18 @@ async def _admit_reserved(
     delta_of: uuid.UUID | None = None,
 ) -> Job:
     admission = await db.admit(
-        job_id=job_id,
-        user_id=user,
-        run_id=run_id,
-        core_run_id=f"core-{job_id}",
-        thesis=THESIS,
-        sources=SOURCES,
-        cost=cost,
-        delta_of=delta_of,
-        idempotency_key=None,
-        request_hash=None,
+        AdmitRequest(
+            job_id=job_id,
+            user_id=user,
+            run_id=run_id,
+            core_run_id=f"core-{job_id}",
+            thesis=THESIS,
+            sources=SOURCES,
+            cost=cost,
+            delta_of=delta_of,
+            idempotency_key=None,
+            request_hash=None,
+        )
     )
     return admission.job
 
@@ -628,7 +632,7 @@ async def test_set_based_claims_race_to_exactly_one_claimer(
         database_url, "SELECT status FROM analysis_jobs WHERE id = ANY($1::uuid[])", list(moved_a)
     )
     assert {r["status"] for r in statuses} == {"running"}
-    assert await db.mark_running(ids, "inst-a") == {}, "a second mark moves nothing"
+    assert await db.mark_running(ids, "inst-a") == set(), "a second mark moves nothing"
 
 
 async def test_a_batch_of_running_marks_waits_for_an_exclusive_promotion_pass(
@@ -697,42 +701,12 @@ async def test_a_batch_of_running_marks_waits_for_a_finish_of_the_same_user(
     assert set(moved) == {first.id}, "the finished job stays finished"
 
 
-async def test_running_marks_that_only_try_leave_a_busy_user_and_do_not_wait(
+async def test_the_dispatchers_running_marks_wait_for_a_busy_user_in_one_statement(
     db: Database, database_url: str
 ) -> None:
-    """Not waiting, a batch marks the users whose locks are free and says which jobs it left,
-    at once, holding nothing after its commit; the waiting call then marks those, once their
-    user's lock holder is done (the dispatcher's two statements)."""
-    free, held = await _admit(db, "try-free"), await _admit(db, "try-held")
-    ids = [free.id, held.id]
-    assert set(await db.claim(ids, "inst-a", 60)) == set(ids)
-    holder = await asyncpg.connect(database_url)
-    try:
-        tx = holder.transaction()
-        await tx.start()
-        await holder.execute("SELECT aq_lock_user_v1('try-held')")
-        tried = await asyncio.wait_for(db.mark_running(ids, "inst-a", wait=False), 5)
-        assert tried == {free.id: True, held.id: False}
-        waiting = asyncio.create_task(db.mark_running([held.id], "inst-a", wait=True))
-        await wait_until_blocked(database_url, holder.get_server_pid())
-        assert not waiting.done()
-        await tx.commit()
-        assert await asyncio.wait_for(waiting, 5) == {held.id: True}
-    finally:
-        await holder.close()
-    rows = await fetch(
-        database_url, "SELECT status FROM analysis_jobs WHERE id = ANY($1::uuid[])", ids
-    )
-    assert {r["status"] for r in rows} == {"running"}
-    assert await db.mark_running(ids, "inst-a", wait=False) == {}, "nothing left to mark"
-
-
-async def test_the_dispatcher_commits_the_free_users_marks_before_it_waits_for_a_busy_one(
-    db: Database, database_url: str
-) -> None:
-    """The dispatcher's batch of running marks: the first statement commits the free user's
-    job while another transaction holds the busy user's lock; a second statement waits for
-    that lock, and the busy job is counted as left to it."""
+    """The dispatcher's batch of running marks over two users, one of whose locks another
+    transaction holds: the one statement waits for that lock (in sorted order, within the
+    functions' lock bound), then marks both jobs once the holder is done."""
     metrics = Metrics()
     core = CoreClient("http://127.0.0.1:9")  # never called: marks only
     followup = FollowUp(metrics)
@@ -747,20 +721,15 @@ async def test_the_dispatcher_commits_the_free_users_marks_before_it_waits_for_a
         await holder.execute("SELECT aq_lock_user_v1('mark-held')")
         marking = asyncio.create_task(dispatcher._mark_running([free.id, held.id]))
         await wait_until_blocked(database_url, holder.get_server_pid())
-        status = await fetch(
-            database_url, "SELECT status FROM analysis_jobs WHERE id = $1", free.id
-        )
-        assert status[0]["status"] == "running", "committed before the wait"
         assert not marking.done()
         await tx.commit()
         assert await asyncio.wait_for(marking, 5) == {free.id: True, held.id: True}
     finally:
         await holder.close()
-    left = metrics.registry.get_sample_value(
-        "aq_group_commit_alone_total", {"what": "running", "reason": "busy"}
+    rows = await fetch(
+        database_url,
+        "SELECT status FROM analysis_jobs WHERE id = ANY($1::uuid[])",
+        [free.id, held.id],
     )
-    assert left == 1
-    statements = metrics.registry.get_sample_value(
-        "aq_group_commit_statements_total", {"what": "running"}
-    )
-    assert statements == 1, "the waiting statement (the batch's own is counted by its group)"
+    assert {r["status"] for r in rows} == {"running"}
+    assert await db.mark_running([free.id, held.id], "inst-a") == set(), "nothing left to mark"

@@ -1,22 +1,23 @@
 """Admission: every check a click can fail happens here, synchronously, before the job exists.
 
 Order of an admit (no database transaction is ever held across the call to Core):
-  1. ``reserve``: resolve the Idempotency-Key, check the balance, reserve a fresh run id.
+  1. ``reserve``: resolve the Idempotency-Key, hold the cost against the balance (less every
+     hold in flight), reserve a fresh run id: a click that cannot be paid for never reaches Core.
   2. Core creates the run *held*: it validates sources and thesis and can refuse.
-  3. ``admit``: under the user lock, debit and insert the job, ``queued`` or ``pending``.
+  3. ``admit``: under the user lock, turn the hold into the debit and insert the job, ``queued``
+     or ``pending``.
 A refusal at any step leaves no job, no debit and no held run behind; where the process dies
 between steps, the reservation row tells the sweep which held run to cancel.
 
 Steps 1 and 3 are group commits (queue/group_commit.py): the clicks that arrive while the
-previous batch is being written share one transaction, and step 3 one notifying commit, the
-cost every click used to pay alone. Each click is still decided for itself, in arrival order
-(sql/functions/admit.sql, ``aq_reserve_many_v1`` and ``aq_admit_many_v1``); one whose user's
-lock is held elsewhere, or whose batch failed for a reason of its own, is decided alone, as it
-was before the batches.
+previous batch is being written share one transaction, and step 3 one notifying commit; a lone
+click is a batch of one. Each click is still decided for itself, in arrival order
+(sql/functions/admit.sql, ``aq_reserve_v2`` and ``aq_admit_v3``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -36,17 +37,16 @@ from analysis_queue.models import (
     Admission,
     AdmitRequest,
     Batched,
-    BatchOutcome,
     Job,
     JobStatus,
     Reservation,
     ReservationOutcome,
     ReserveRequest,
-    WaitReason,
+    StaleReservation,
 )
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
-from analysis_queue.queue.group_commit import GroupCommit, in_batch
-from analysis_queue.store.database import Claim, Database
+from analysis_queue.queue.group_commit import STALLED_AFTER_S, GroupCommit, in_batch
+from analysis_queue.store.database import Claim, Database, admission_of
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +86,17 @@ class Admitter:
         self.recheck_cost = recheck_cost
         self.job_max_bytes = job_max_bytes
         self._wait_s = db.timeouts.acquire_s
-        self._reservations: GroupCommit[ReserveRequest, Batched[Reservation]] = GroupCommit(
+        self._reservations: GroupCommit[ReserveRequest, Reservation] = GroupCommit(
             db.reserve_many,
             max_batch=BATCH_MAX,
             on_batch=metrics.batch_counter("reserve"),
-            on_alone=metrics.alone_counter("reserve"),
+            stalled_after_s=STALLED_AFTER_S,
         )
         self._admissions: GroupCommit[AdmitRequest, Batched[Admission]] = GroupCommit(
             functools.partial(db.admit_many, claim=claim),
             max_batch=BATCH_MAX,
             on_batch=metrics.batch_counter("admit"),
-            on_alone=metrics.alone_counter("admit"),
+            stalled_after_s=STALLED_AFTER_S,
         )
 
     async def admit(
@@ -203,6 +203,8 @@ class Admitter:
             await self.db.orphan_reservation(run_id)
             raise
 
+        # What the sweep needs to cancel the held run, should this click not be admitted.
+        held = StaleReservation(run_id, job_id, user_id, core_run.id, thesis, sources)
         try:
             admission = await self._admit_now(
                 AdmitRequest(
@@ -219,20 +221,21 @@ class Admitter:
                 )
             )
         except errors.InsufficientCredits:
-            # A concurrent admit spent the credit between reserve and debit: a definite
-            # refusal, rolled back. Cancel the held run now; the sweep covers a failure.
-            await self._abandon(run_id, core_run.id)
+            # A hold the previous release did not make, spent meanwhile: a definite refusal,
+            # rolled back.
+            await self._abandon(held)
             raise
-        # Any other failure (database gone, commit outcome unknown) leaves the reservation:
-        # if the admit did commit, the reservation is gone with it; if not, the sweep cancels.
+        except errors.DatabaseUnavailable:
+            # Committed or not, the reservation says: if the admit did commit, the reservation
+            # is gone with it; if not, it stays for the sweep to cancel the held run (its key
+            # in progress meanwhile, so that a retry during the outage asks Core for nothing),
+            # but its credit is released now when the database answers, else by the sweep.
+            with contextlib.suppress(errors.AppError):
+                await self.db.release_hold(run_id)
+            raise
         job = admission.job
         started = job.status is JobStatus.PENDING and all(
             p.id != job.id for p in admission.promoted
-        )
-        # A job that waits only for the provider may be given a free global slot by a pass
-        # (which names the user: a ceiling turned off meanwhile fills the user's slots instead).
-        waits_for_capacity = (
-            job.status is JobStatus.QUEUED and job.waiting_for is WaitReason.PROVIDER_CAPACITY
         )
         self.followup.after(
             Decision(
@@ -240,7 +243,7 @@ class Admitter:
                 user_id=user_id,
                 promoted=admission.promoted,
                 unreleased=(job,) if started else (),
-                asks_pass=Trigger.ADMIT if waits_for_capacity else None,
+                asks_pass=Trigger.ADMIT if admission.asks_pass else None,
             )
         )
         log.info(
@@ -256,43 +259,15 @@ class Admitter:
         return Admitted(job, created=True)
 
     async def _reserve(self, request: ReserveRequest) -> Reservation:
-        batched = await in_batch(self._reservations, request, "reserve", self._wait_s)
-        if batched is not None and batched.result is not None:
-            return batched.result
-        return await self.db.reserve(
-            user_id=request.user_id,
-            run_id=request.run_id,
-            job_id=request.job_id,
-            cost=request.cost,
-            thesis=request.thesis,
-            sources=request.sources,
-            idempotency_key=request.idempotency_key,
-            request_hash=request.request_hash,
-        )
+        reservation = await in_batch(self._reservations, request, self._wait_s)
+        assert reservation is not None  # the batch answers every click
+        return reservation
 
     async def _admit_now(self, request: AdmitRequest) -> Admission:
-        """The admit of one click: in the next batch, or alone when the batch cannot decide
-        it. Raises what ``Database.admit`` raises for the click's own refusals."""
-        batched = await in_batch(self._admissions, request, "admit", self._wait_s)
-        if batched is not None:
-            if batched.outcome is BatchOutcome.INSUFFICIENT_CREDITS:
-                raise errors.InsufficientCredits()
-            if batched.outcome is BatchOutcome.RESERVATION_GONE:
-                raise errors.CoreUnavailable("The admission timed out; try again.")
-            if batched.result is not None:
-                return batched.result
-        return await self.db.admit(
-            job_id=request.job_id,
-            user_id=request.user_id,
-            run_id=request.run_id,
-            core_run_id=request.core_run_id,
-            thesis=request.thesis,
-            sources=request.sources,
-            cost=request.cost,
-            delta_of=request.delta_of,
-            idempotency_key=request.idempotency_key,
-            request_hash=request.request_hash,
-        )
+        """The admit of one click, in the next batch; its refusals raised."""
+        batched = await in_batch(self._admissions, request, self._wait_s)
+        assert batched is not None  # the batch answers every click
+        return admission_of(batched)
 
     def _check_size(self, thesis: dict[str, Any], sources: list[str]) -> None:
         """What a job stores is bounded in bytes, not characters: everything that serves it
@@ -306,10 +281,15 @@ class Admitter:
                 size_bytes=size,
             )
 
-    async def _abandon(self, run_id: UUID, core_run_id: str) -> None:
+    async def _abandon(self, reservation: StaleReservation) -> None:
+        """A click that was not admitted, or may not have been: take its reservation back,
+        which releases its hold. Found, it says the admit did not happen (an admit in flight
+        holds the row until it ends, and deletes it when it commits): cancel the held run,
+        or leave it to the sweep, holding nothing, when Core cannot be told."""
+        if not await self.db.release_reservation(reservation.run_id):
+            return  # admitted after all, or the sweep has it
         try:
-            await self.core.cancel(core_run_id)
+            assert reservation.core_run_id is not None
+            await self.core.cancel(reservation.core_run_id)
         except errors.AppError:
-            await self.db.set_reservation_core_run(run_id, core_run_id)
-            return
-        await self.db.release_reservation(run_id)
+            await self.db.put_back_reservation(reservation)

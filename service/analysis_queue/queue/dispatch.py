@@ -24,7 +24,7 @@ from analysis_queue.core.client import CoreClient, RunState
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import Job, JobStatus, StaleReservation
 from analysis_queue.queue.finish import Finisher
-from analysis_queue.queue.group_commit import GroupCommit
+from analysis_queue.queue.group_commit import STALLED_AFTER_S, GroupCommit
 from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)
@@ -97,27 +97,18 @@ class Dispatcher:
             on_batch=metrics.batch_counter("claim"),
         )
         self._running: GroupCommit[UUID, bool] = GroupCommit(
-            self._mark_running, on_batch=metrics.batch_counter("running")
+            self._mark_running,
+            on_batch=metrics.batch_counter("running"),
+            stalled_after_s=STALLED_AFTER_S,
         )
-        self._running_left = metrics.alone_counter("running")
         self._stopping = False
         self.released = 0  # counters for tests and metrics
         self.gave_up = 0
 
     async def _mark_running(self, job_ids: list[UUID]) -> dict[UUID, bool]:
-        """One batch of running marks. The statement only tries its users' locks, so that it
-        never holds some while it waits for another (most often held by the finish of that very
-        job, Core being quick); the jobs it had to leave are marked by a second statement that
-        waits, and usually finds them finished. Returns the jobs moved to running."""
-        instance = self.settings.instance_id
-        marked = await self.db.mark_running(job_ids, instance, wait=False)
-        busy = [job_id for job_id, moved in marked.items() if not moved]
-        if busy:
-            for _ in busy:
-                self._running_left("busy")
-            self.metrics.group_commit_statements.labels("running").inc()  # the second one
-            marked.update(await self.db.mark_running(busy, instance, wait=True))
-        return {job_id: True for job_id, moved in marked.items() if moved}
+        """One batch of running marks; returns the jobs moved to running."""
+        moved = await self.db.mark_running(job_ids, self.settings.instance_id)
+        return dict.fromkeys(moved, True)
 
     def submit(self, job_id: UUID) -> None:
         """Release ``job_id`` soon. A job already in flight here is not submitted twice; one

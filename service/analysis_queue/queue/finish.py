@@ -1,8 +1,8 @@
 """Finishing a job: Core's completion (a callback or the sweep's poll), a failed release, a run
-Core lost, a user's cancel or delete. Each is one call of ``aq_finish_v2``
+Core lost, a user's cancel or delete. Each is an item of ``aq_finish_v3``
 (sql/functions/finish.sql), which in the same transaction refunds what never reached judging
-(the rule is ``aq_refund_if_due_v1`` in sql/functions/credits.sql) and fills the slot the job
-frees.
+(the rule is ``aq_refund_if_due_v1`` in sql/functions/credits.sql) and fills the slots the jobs
+free.
 
 Idempotent by construction: the move to a terminal status is a compare-and-set from the statuses
 the caller names, under the user lock, so a duplicate, late or out-of-order report changes
@@ -11,10 +11,8 @@ releasing instance has written ``running``. What the finish promoted, and its re
 follow-up (queue/followup.py).
 
 Core's reports (callbacks and the sweep's polls) are a group commit: those that arrive while the
-previous batch is being written are finished in one transaction and one notifying commit
-(``aq_finish_many_v1``), each as ``aq_finish_v2`` alone would, and each answered after that
-commit; one whose user's lock is held elsewhere, or whose batch failed for a reason of its own,
-is finished alone.
+previous batch is being written are finished in one transaction and one notifying commit, each
+in order, and each answered after that commit; a lone report is a batch of one.
 """
 
 from __future__ import annotations
@@ -30,15 +28,13 @@ from analysis_queue.core.client import CoreClient, CoreRun, RunState
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import (
     ACTIVE_STATUSES,
-    Batched,
-    BatchOutcome,
     CompletionRequest,
     Finish,
     JobStatus,
     StaleReservation,
 )
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
-from analysis_queue.queue.group_commit import GroupCommit, in_batch
+from analysis_queue.queue.group_commit import STALLED_AFTER_S, GroupCommit, in_batch
 from analysis_queue.store.database import Claim, Database
 
 log = logging.getLogger(__name__)
@@ -75,20 +71,18 @@ class Finisher:
         self.core = core
         self.followup = followup
         self.metrics = metrics
-        self._completions: GroupCommit[CompletionRequest, Batched[Finish]] = GroupCommit(
+        self._completions: GroupCommit[CompletionRequest, Finish | None] = GroupCommit(
             functools.partial(db.finish_many, claim=claim),
             max_batch=BATCH_MAX,
             on_batch=metrics.batch_counter("finish"),
-            on_alone=metrics.alone_counter("finish"),
+            stalled_after_s=STALLED_AFTER_S,
         )
 
     def _followed(self, result: Finish) -> None:
         if not result.changed:
             return
-        # With the ceiling on, a job that left pending/running freed a global slot; unless this
-        # finish gave it to its user's next job, a pass gives it to whoever's turn it is.
-        freed = result.old_status in ACTIVE_STATUSES and not result.promoted
-        asks_pass = Trigger.TAIL if freed and self.followup.ceiling_on else None
+        # Capacity the finish could not give out (a ceiling turned on meanwhile): a pass.
+        asks_pass = Trigger.TAIL if result.asks_pass else None
         self.followup.after(
             Decision(
                 Trigger.TAIL,
@@ -142,23 +136,8 @@ class Finisher:
         return Applied.APPLIED if result.changed else Applied.DUPLICATE
 
     async def _complete(self, request: CompletionRequest) -> Finish | None:
-        """Finish the job of a completed run: in the next batch, or alone when the batch cannot
-        (its user busy elsewhere, or the batch failed for a reason of its own). None: no job has
-        that run."""
-        batched = await in_batch(self._completions, request, "complete", self.db.timeouts.acquire_s)
-        if batched is not None and batched.outcome is BatchOutcome.UNKNOWN:
-            return None
-        if batched is not None and batched.result is not None:
-            return batched.result
-        return await self.db.finish(
-            core_run_id=request.core_run_id,
-            status=request.status,
-            from_statuses=request.from_statuses,
-            error_code=request.error_code,
-            error_detail=request.error_detail,
-            verdicts=request.verdicts,
-            ran=request.ran,
-        )
+        """Finish the job of a completed run, in the next batch. None: no job has that run."""
+        return await in_batch(self._completions, request, self.db.timeouts.acquire_s)
 
     async def fail(
         self, job_id: UUID, *, from_statuses: Sequence[JobStatus], code: str, detail: str
@@ -247,8 +226,8 @@ class Finisher:
             error_detail="Cancelled by the user.",
         )
         if result is not None and result.changed:
-            # A global slot or a user's room freed: with the ceiling on, a pass gives it out.
-            asks_pass = Trigger.CANCEL if self.followup.ceiling_on else None
+            # Capacity the cancel could not give out (a ceiling turned on meanwhile): a pass.
+            asks_pass = Trigger.CANCEL if result.asks_pass else None
             self.followup.after(
                 Decision(
                     Trigger.TAIL,

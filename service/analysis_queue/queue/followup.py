@@ -52,9 +52,6 @@ class Releases(Protocol):
 class Passes(Protocol):
     """Who runs promotion passes (``queue/promote.Promoter``)."""
 
-    @property
-    def ceiling_on(self) -> bool: ...
-
     def pass_soon(self, trigger: Trigger, user_id: str | None = None) -> None: ...
 
 
@@ -84,11 +81,6 @@ class FollowUp:
     def bind(self, releases: Releases, passes: Passes) -> None:
         self._releases = releases
         self._passes = passes
-
-    @property
-    def ceiling_on(self) -> bool:
-        """Whether the provider ceiling is on, as this instance last learned it."""
-        return self._passes is not None and self._passes.ceiling_on
 
     def after(self, decision: Decision) -> None:
         """React to a committed decision. Never blocks (it only schedules)."""

@@ -19,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from analysis_queue import errors
-from analysis_queue.models import Batched, BatchOutcome
 
 log = logging.getLogger(__name__)
+
+# How long a decision's statement may be in flight before the keys behind it go out beside it:
+# about one other batch's commit, the longest a user's lock is held but by a stuck holder.
+STALLED_AFTER_S = 0.05
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -37,7 +40,12 @@ class QueueTimeout(Exception):
 
 class GroupCommit(Generic[K, V]):
     """``flush(keys) -> {key: value}`` for batches of at most ``max_batch`` keys, one at a time.
-    ``submit(key)`` returns the value for its key, or None when the flush returned none."""
+    ``submit(key)`` returns the value for its key, or None when the flush returned none.
+
+    With ``stalled_after_s``, a statement still in flight that long is taken to be waiting for
+    a lock someone else holds (a user's, in the decisions), and the keys waiting behind it go out
+    in a statement of their own beside it, up to ``max_in_flight`` statements in all: one
+    user's lock holder then delays the clicks of its batch, not every click after them."""
 
     def __init__(
         self,
@@ -45,17 +53,21 @@ class GroupCommit(Generic[K, V]):
         *,
         max_batch: int = 256,
         on_batch: Callable[[int], None] | None = None,
-        on_alone: Callable[[str], None] | None = None,
+        stalled_after_s: float | None = None,
+        max_in_flight: int = 4,
     ) -> None:
-        if max_batch < 1:
-            raise ValueError("max_batch must be at least 1")
+        if max_batch < 1 or max_in_flight < 1:
+            raise ValueError("max_batch and max_in_flight must be at least 1")
         self._flush = flush
         self._on_batch = on_batch  # called with each written batch's size (metrics)
-        # called by in_batch for each key left to be decided alone, with why (metrics)
-        self.on_alone = on_alone
         self._max_batch = max_batch
+        self._stalled_after_s = stalled_after_s
+        self._max_in_flight = max_in_flight
         self._waiting: list[tuple[K, asyncio.Future[V | None]]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._flusher: asyncio.Task[None] | None = None  # the one that loops while keys wait
+        self._beside: set[asyncio.Task[None]] = set()  # one statement each, beside a stalled one
+        self._started: dict[asyncio.Task[None], float] = {}  # statement in flight -> since
+        self._timer: asyncio.TimerHandle | None = None
         self.batches = 0  # counters, for tests and the benchmark notes
         self.keys = 0
 
@@ -65,6 +77,8 @@ class GroupCommit(Generic[K, V]):
         self._waiting.append(entry)
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._run(), name="group-commit")
+        else:
+            self._watch()
         if queue_timeout_s is None:
             return await future
         try:
@@ -76,77 +90,98 @@ class GroupCommit(Generic[K, V]):
                 raise QueueTimeout() from None
             return await future  # in the statement being written: its answer is coming
 
+    def _watch(self) -> None:
+        """Keys wait behind statements in flight: once the newest of those has been in flight
+        for ``stalled_after_s``, send the waiting keys beside it."""
+        if self._stalled_after_s is None or self._timer is not None or not self._started:
+            return
+        if len(self._started) >= self._max_in_flight:
+            return
+        loop = asyncio.get_running_loop()
+        due = max(self._started.values()) + self._stalled_after_s
+        self._timer = loop.call_at(due, self._stalled)
+
+    def _stalled(self) -> None:
+        self._timer = None
+        stall = self._stalled_after_s
+        if stall is None or not self._waiting or len(self._started) >= self._max_in_flight:
+            return
+        loop = asyncio.get_running_loop()
+        if self._started and loop.time() < max(self._started.values()) + stall:
+            self._watch()  # a newer statement went out meanwhile: it is not stalled yet
+            return
+        task = asyncio.create_task(self._write_one(), name="group-commit-beside")
+        self._beside.add(task)
+        task.add_done_callback(self._beside.discard)
+
     async def _run(self) -> None:
         try:
             while self._waiting:
-                batch = self._waiting[: self._max_batch]
-                del self._waiting[: self._max_batch]
-                # A caller cancelled while it waited (a dispatch cut short at shutdown) wants
-                # nothing written for it any more.
-                batch = [(key, future) for key, future in batch if not future.done()]
-                if not batch:
-                    continue
-                try:
-                    found = await self._flush([key for key, _ in batch])
-                except BaseException as exc:
-                    for _, future in batch:
-                        if not future.done():
-                            if isinstance(exc, asyncio.CancelledError):
-                                future.cancel()
-                            else:
-                                future.set_exception(exc)
-                    if not isinstance(exc, Exception):
-                        raise
-                    continue
-                for key, future in batch:
-                    if not future.done():  # its caller may have been cancelled meanwhile
-                        future.set_result(found.get(key))
-                self.batches += 1
-                self.keys += len(batch)
-                if self._on_batch is not None:
-                    try:
-                        self._on_batch(len(batch))
-                    except Exception:
-                        log.exception("group commit: the batch callback failed")
+                await self._write_one()
         finally:
             self._flusher = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             for _, future in self._waiting:  # only when cancelled mid-way
                 future.cancel()
             self._waiting.clear()
 
+    async def _write_one(self) -> None:
+        """Take the next batch of waiting keys and write it."""
+        batch = self._waiting[: self._max_batch]
+        del self._waiting[: self._max_batch]
+        # A caller cancelled while it waited (a dispatch cut short at shutdown) wants nothing
+        # written for it any more.
+        batch = [(key, future) for key, future in batch if not future.done()]
+        if not batch:
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._started[task] = asyncio.get_running_loop().time()
+        if self._waiting:
+            self._watch()
+        try:
+            found = await self._flush([key for key, _ in batch])
+        except BaseException as exc:
+            for _, future in batch:
+                if not future.done():
+                    if isinstance(exc, asyncio.CancelledError):
+                        future.cancel()
+                    else:
+                        future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        finally:
+            del self._started[task]
+        for key, future in batch:
+            if not future.done():  # its caller may have been cancelled meanwhile
+                future.set_result(found.get(key))
+        if self._waiting:
+            self._watch()
+        self.batches += 1
+        self.keys += len(batch)
+        if self._on_batch is not None:
+            try:
+                self._on_batch(len(batch))
+            except Exception:
+                log.exception("group commit: the batch callback failed")
+
     async def idle(self) -> None:
         """Wait until nothing is being written (shutdown: no statement outlives its owner)."""
-        while self._flusher is not None:
-            await asyncio.wait({self._flusher})
+        while self._flusher is not None or self._beside:
+            await asyncio.wait({t for t in (self._flusher, *self._beside) if t is not None})
 
 
-R = TypeVar("R")
-
-
-async def in_batch(
-    group: GroupCommit[K, Batched[R]], request: K, what: str, wait_s: float
-) -> Batched[R] | None:
-    """``request``'s answer from its batch; None when it must be decided alone: its user was
-    busy, or the batch failed for a reason that is not this request's (a retry alone then
-    either succeeds or fails with the request's own error). A database that is unavailable is
-    everyone's answer: no retry. A request waits for a place in a batch as long as it would for
-    a pooled connection (``wait_s``), then it is a 503 too, with nothing written for it."""
+async def in_batch(group: GroupCommit[K, V], request: K, wait_s: float) -> V | None:
+    """``request``'s answer from the next batch (None when the flush returned none for it). A
+    request waits for a place in a batch as long as it would for a pooled connection
+    (``wait_s``), then it is a 503 too (``DatabaseUnavailable``), with nothing written for it;
+    a batch that failed fails each of its requests with the batch's error."""
     try:
-        batched = await group.submit(request, queue_timeout_s=wait_s)
+        return await group.submit(request, queue_timeout_s=wait_s)
     except QueueTimeout as exc:
-        raise errors.DatabaseUnavailable() from exc
-    except errors.DatabaseUnavailable:
-        raise
-    except Exception:
-        log.exception("group commit failed; deciding alone", extra={"action": what})
-        _alone(group, "failed")
-        return None
-    if batched is None or batched.outcome is BatchOutcome.BUSY:
-        _alone(group, "busy")
-        return None
-    return batched
-
-
-def _alone(group: GroupCommit[Any, Any], reason: str) -> None:
-    if group.on_alone is not None:
-        group.on_alone(reason)
+        unavailable = errors.DatabaseUnavailable()
+        unavailable.nothing_written = True
+        raise unavailable from exc

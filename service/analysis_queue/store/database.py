@@ -121,6 +121,17 @@ async def _warm_up(conn: asyncpg.Connection[Any]) -> None:
         log.debug("warm-up skipped", extra={"action": "warm_up", "reason": str(exc)})
 
 
+def admission_of(batched: Batched[Admission]) -> Admission:
+    """One click's answer from a batch of admits, its refusals raised: no credit left (a hold
+    the previous release did not make), or a reservation the sweep reclaimed meanwhile."""
+    if batched.outcome is BatchOutcome.INSUFFICIENT_CREDITS:
+        raise errors.InsufficientCredits()
+    if batched.outcome is BatchOutcome.RESERVATION_GONE:
+        raise errors.CoreUnavailable("The admission timed out; try again.")
+    assert batched.result is not None
+    return batched.result
+
+
 def _jobs(rows: Any) -> tuple[Job, ...]:
     """An array of analysis_jobs rows (a composite array) as jobs."""
     return tuple(Job.from_row(r) for r in rows or ())
@@ -262,65 +273,15 @@ class Database:
 
     # -- admission ---------------------------------------------------------------------------
 
-    async def reserve(
-        self,
-        *,
-        user_id: str,
-        run_id: UUID,
-        job_id: UUID,
-        cost: int,
-        thesis: dict[str, Any],
-        sources: list[str],
-        idempotency_key: str | None,
-        request_hash: str | None,
-    ) -> Reservation:
-        row = await self._fetchrow(
-            "reserve",
-            user_id,
-            run_id,
-            job_id,
-            cost,
-            thesis,
-            sources,
-            idempotency_key,
-            request_hash,
-        )
-        return Reservation(ReservationOutcome(row["outcome"]), row["job_id"], row["balance"])
-
-    async def admit(
-        self,
-        *,
-        job_id: UUID,
-        user_id: str,
-        run_id: UUID,
-        core_run_id: str,
-        thesis: dict[str, Any],
-        sources: list[str],
-        cost: int,
-        delta_of: UUID | None,
-        idempotency_key: str | None,
-        request_hash: str | None,
-    ) -> Admission:
-        row = await self._fetchrow(
-            "admit",
-            job_id,
-            user_id,
-            run_id,
-            core_run_id,
-            thesis,
-            sources,
-            cost,
-            delta_of,
-            idempotency_key,
-            request_hash,
-        )
-        return Admission(Job.from_row(row), _jobs(row["promoted"]))
+    async def reserve(self, request: ReserveRequest) -> Reservation:
+        """One click's reservation: a batch of one (``reserve_many``)."""
+        return (await self.reserve_many([request]))[request]
 
     async def reserve_many(
         self, requests: Sequence[ReserveRequest]
-    ) -> dict[ReserveRequest, Batched[Reservation]]:
-        """The reservations of a group commit, in one transaction, each decided alone; a
-        request whose user's lock is held elsewhere comes back BUSY (reserve it alone)."""
+    ) -> dict[ReserveRequest, Reservation]:
+        """The reservations of a group commit, in one transaction (``aq_reserve_v2``): each
+        click's key resolved and its cost held, in order."""
         items = [
             {
                 "item": n,
@@ -335,25 +296,24 @@ class Database:
             }
             for n, r in enumerate(requests)
         ]
-        out: dict[ReserveRequest, Batched[Reservation]] = {}
-        for row in await self._fetch("reserve_many", items):
-            request = requests[row["item"]]
-            if row["outcome"] == BatchOutcome.BUSY:
-                out[request] = Batched(BatchOutcome.BUSY)
-            else:
-                reservation = Reservation(
-                    ReservationOutcome(row["outcome"]), row["job_id"], row["balance"]
-                )
-                out[request] = Batched(BatchOutcome.DONE, reservation)
-        return out
+        return {
+            requests[row["item"]]: Reservation(
+                ReservationOutcome(row["outcome"]), row["job_id"], row["balance"]
+            )
+            for row in await self._fetch("reserve", items)
+        }
+
+    async def admit(self, request: AdmitRequest, claim: Claim | None = None) -> Admission:
+        """One click's admit: a batch of one (``admit_many``); its refusals raised."""
+        return admission_of((await self.admit_many([request], claim))[request])
 
     async def admit_many(
         self, requests: Sequence[AdmitRequest], claim: Claim | None = None
     ) -> dict[AdmitRequest, Batched[Admission]]:
-        """The admits of a group commit, in one transaction and one notifying commit, each
-        decided alone in order: DONE with its admission, INSUFFICIENT_CREDITS,
-        RESERVATION_GONE, or BUSY (its user's lock is held elsewhere: admit it alone). The
-        jobs they start come back claimed for ``claim``'s instance."""
+        """The admits of a group commit, in one transaction and one notifying commit
+        (``aq_admit_v3``), each decided in order: DONE with its admission,
+        INSUFFICIENT_CREDITS or RESERVATION_GONE. The jobs they start come back claimed for
+        ``claim``'s instance."""
         items = [
             {
                 "item": n,
@@ -372,23 +332,28 @@ class Database:
         ]
         out: dict[AdmitRequest, Batched[Admission]] = {}
         instance, lease_s = (claim.instance_id, claim.lease_s) if claim else (None, None)
-        for row in await self._fetch("admit_many", items, instance, lease_s):
+        for row in await self._fetch("admit", items, instance, lease_s):
             request = requests[row["item"]]
             if row["outcome"] == "admitted":
-                admission = Admission(Job.from_row(row), _jobs(row["promoted"]))
+                admission = Admission(
+                    Job.from_row(row), _jobs(row["promoted"]), bool(row["asks_pass"])
+                )
                 out[request] = Batched(BatchOutcome.DONE, admission)
             else:
                 out[request] = Batched(BatchOutcome(row["outcome"]))
         return out
 
-    async def release_reservation(self, run_id: UUID) -> None:
-        await self._execute("reservation_release", run_id)
+    async def release_reservation(self, run_id: UUID) -> bool:
+        """Drop a reservation (and its hold); whether it was still there."""
+        return await self._fetchrow("reservation_release", run_id) is not None
 
-    async def set_reservation_core_run(self, run_id: UUID, core_run_id: str) -> None:
-        await self._execute("reservation_set_core_run", run_id, core_run_id)
+    async def release_hold(self, run_id: UUID) -> None:
+        """Release the credit a reservation holds, keeping the reservation for the sweep."""
+        await self._execute("reservation_release_hold", run_id)
 
     async def orphan_reservation(self, run_id: UUID) -> None:
-        """Leave a reservation to the sweep and free its Idempotency-Key for a retry."""
+        """Leave a reservation to the sweep, holding nothing, and free its Idempotency-Key for
+        a retry."""
         await self._execute("reservation_orphan", run_id)
 
     async def take_stale_reservations(self, age_s: float, limit: int) -> list[StaleReservation]:
@@ -484,38 +449,34 @@ class Database:
         error_detail: str | None = None,
         verdicts: list[dict[str, Any]] | None = None,
         ran: bool = False,
+        claim: Claim | None = None,
     ) -> Finish | None:
-        row = await self._fetchrow(
-            "finish",
-            job_id,
-            core_run_id,
-            user_id,
-            status,
-            list(from_statuses),
-            delete,
-            error_code,
-            error_detail,
-            verdicts,
-            ran,
-        )
-        job = _job_or_none(row["job"]) if row is not None else None
-        if row is None or job is None:
-            return None
-        return Finish(
-            job,
-            JobStatus(row["old_status"]),
-            row["changed"],
-            row["refunded"],
-            _jobs(row["promoted"]),
-        )
+        """End one job (by id or Core run id; ``user_id`` scopes it to that user): a batch of
+        one of ``aq_finish_v3``. ``status`` None only soft-deletes; the move happens only from
+        a status in ``from_statuses``. None: no such job."""
+        item = {
+            "item": 0,
+            "job_id": job_id,
+            "core_run_id": core_run_id,
+            "user_id": user_id,
+            "status": status,
+            "from": list(from_statuses),
+            "delete": delete,
+            "error_code": error_code,
+            "error_detail": error_detail,
+            "verdicts": verdicts,
+            "ran": ran,
+        }
+        rows = await self._finish_items([item], claim)
+        return rows[0]
 
     async def finish_many(
         self, requests: Sequence[CompletionRequest], claim: Claim | None = None
-    ) -> dict[CompletionRequest, Batched[Finish]]:
-        """Core's completions of a group commit, in one transaction and one notifying commit,
-        each finished alone in order (filling the slot it frees): DONE with its finish, UNKNOWN
-        (no such run), or BUSY (its user's lock is held elsewhere: finish it alone). The jobs
-        they promote come back claimed for ``claim``'s instance."""
+    ) -> dict[CompletionRequest, Finish | None]:
+        """Core's completions of a group commit, in one transaction and one notifying commit
+        (``aq_finish_v3``), each finished in order, with the fill of what they free: a request
+        maps to its finish, or None when no job has its run. The jobs they promote come back
+        claimed for ``claim``'s instance."""
         items = [
             {
                 "item": n,
@@ -529,24 +490,25 @@ class Database:
             }
             for n, r in enumerate(requests)
         ]
-        out: dict[CompletionRequest, Batched[Finish]] = {}
+        finishes = await self._finish_items(items, claim)
+        return {r: finishes[n] for n, r in enumerate(requests)}
+
+    async def _finish_items(
+        self, items: list[dict[str, Any]], claim: Claim | None
+    ) -> list[Finish | None]:
         instance, lease_s = (claim.instance_id, claim.lease_s) if claim else (None, None)
-        for row in await self._fetch("finish_many", items, instance, lease_s):
-            request = requests[row["item"]]
+        out: list[Finish | None] = [None] * len(items)
+        for row in await self._fetch("finish", items, instance, lease_s):
             job = _job_or_none(row["job"])
             if row["outcome"] == "finished" and job is not None:
-                finish = Finish(
+                out[row["item"]] = Finish(
                     job,
                     JobStatus(row["old_status"]),
                     row["changed"],
                     row["refunded"],
                     _jobs(row["promoted"]),
+                    bool(row["asks_pass"]),
                 )
-                out[request] = Batched(BatchOutcome.DONE, finish)
-            elif row["outcome"] == "busy":
-                out[request] = Batched(BatchOutcome.BUSY)
-            else:
-                out[request] = Batched(BatchOutcome.UNKNOWN)
         return out
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -558,14 +520,11 @@ class Database:
         rows = await self._fetch("jobs_claim", sorted(set(job_ids)), instance_id, lease_s)
         return {job.id: job for job in map(Job.from_row, rows)}
 
-    async def mark_running(
-        self, job_ids: Sequence[UUID], instance_id: str, *, wait: bool = True
-    ) -> dict[UUID, bool]:
-        """Core released these claimed jobs: each one still pending for ``instance_id``, mapped
-        to whether it moved to running. Not waiting, a job whose user's lock another transaction
-        holds stays pending (False), for a call that waits; a job that moved on is left out."""
-        rows = await self._fetch("jobs_mark_running", sorted(set(job_ids)), instance_id, wait)
-        return {row["job_id"]: row["moved"] for row in rows}
+    async def mark_running(self, job_ids: Sequence[UUID], instance_id: str) -> set[UUID]:
+        """Core released these claimed jobs: the ones still pending for ``instance_id``, now
+        running (a job that moved on meanwhile is left out)."""
+        rows = await self._fetch("jobs_mark_running", sorted(set(job_ids)), instance_id)
+        return {row["job_id"] for row in rows}
 
     async def schedule_release_retry(
         self, job_id: UUID, instance_id: str, at: datetime, detail: str

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,7 +61,9 @@ def wrap_errors() -> Iterator[None]:
         if code == "AQ410":
             raise errors.CoreUnavailable("The admission timed out; try again.") from exc
         if isinstance(exc, _UNAVAILABLE):
-            raise errors.DatabaseUnavailable() from exc
+            unavailable = errors.DatabaseUnavailable()
+            unavailable.nothing_written = True  # the server answered: it rolled back
+            raise unavailable from exc
         raise
     except _UNAVAILABLE as exc:
         if isinstance(exc, asyncpg.InternalClientError):
@@ -70,8 +73,17 @@ def wrap_errors() -> Iterator[None]:
         raise errors.DatabaseUnavailable() from exc
 
 
+def _json_default(value: Any) -> str:
+    # The driver's own UUID (a job id read back from a row) is a uuid.UUID that orjson does
+    # not recognise as one: a batch's items carry ids of both kinds.
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
 def _jsonb_encode(value: Any) -> bytes:
-    return b"\x01" + orjson.dumps(value)  # jsonb's binary format: version 1, then the text
+    # jsonb's binary format: version 1, then the text
+    return b"\x01" + orjson.dumps(value, default=_json_default)
 
 
 def _jsonb_decode(data: bytes) -> Any:

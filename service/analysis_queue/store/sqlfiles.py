@@ -5,8 +5,9 @@
   the history up to its number. A migration's opening comment may hold directives, one a line:
   ``-- aq:no-transaction`` runs it outside a transaction, one statement at a time (for
   ``CREATE INDEX CONCURRENTLY``; docs/operations.md, "Online migrations").
-- ``sql/functions/*.sql`` and ``triggers/*.sql``: *repeatable* files, every function, trigger
-  function and trigger in the present tense, re-applied whenever their text changes.
+- ``sql/functions/*.sql``, ``sql/previous_release/*.sql`` and ``triggers/*.sql``: *repeatable*
+  files, every function, trigger function and trigger in the present tense, re-applied
+  whenever their text changes.
 - ``sql/queries.sql``: the named queries of ``store/database.py``.
 
 In a checkout (and an editable install) the files are the repository's ``sql/`` and
@@ -330,11 +331,13 @@ def load_migrations(directory: Path) -> tuple[Migration, ...]:
 
 @cache
 def repeatables() -> tuple[Repeatable, ...]:
-    """The functions (``sql/functions``), then the triggers that call them (``triggers``), each
-    directory in file-name order."""
+    """The functions (``sql/functions``), then the previous release's entry points, which call
+    them (``sql/previous_release``), then the triggers (``triggers``), each directory in
+    file-name order."""
     found: list[Repeatable] = []
     for directory, label in (
         (sql_dir("sql") / "functions", "functions"),
+        (sql_dir("sql") / "previous_release", "previous_release"),
         (sql_dir("triggers"), "triggers"),
     ):
         for path in sorted(directory.glob("*.sql")):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from analysis_queue.models import Batched, BatchOutcome
+from analysis_queue import errors
 from analysis_queue.queue.group_commit import GroupCommit, QueueTimeout, in_batch
 
 
@@ -159,18 +159,50 @@ async def test_a_caller_may_bound_its_wait_for_a_place_but_not_for_its_answer() 
     assert await group.submit(4, queue_timeout_s=0.05) == "v4"
 
 
-async def test_in_batch_counts_each_request_it_leaves_to_decide_alone() -> None:
-    outcomes = {1: BatchOutcome.DONE, 2: BatchOutcome.BUSY, 3: None}
-    alone: list[str] = []
+async def test_in_batch_answers_each_request_fails_with_its_batch_and_bounds_the_wait() -> None:
+    gate, writing = asyncio.Event(), asyncio.Event()
 
-    async def flush(keys: list[int]) -> dict[int, Batched[str]]:
+    async def flush(keys: list[int]) -> dict[int, str]:
         if 4 in keys:
             raise RuntimeError("the batch failed")
-        return {k: Batched(o, "x") for k in keys if (o := outcomes[k]) is not None}
+        if 5 in keys:
+            writing.set()
+            await gate.wait()
+        return {k: f"v{k}" for k in keys if k != 3}
 
-    group: GroupCommit[int, Batched[str]] = GroupCommit(flush, on_alone=alone.append)
-    done, busy, missing = await asyncio.gather(*(in_batch(group, k, "t", 5) for k in (1, 2, 3)))
-    assert done == Batched(BatchOutcome.DONE, "x") and busy is None and missing is None
-    assert alone == ["busy", "busy"]  # a request the batch did not answer is decided alone too
-    assert await in_batch(group, 4, "t", 5) is None
-    assert alone == ["busy", "busy", "failed"]
+    group: GroupCommit[int, str] = GroupCommit(flush)
+    assert await asyncio.gather(*(in_batch(group, k, 5) for k in (1, 2, 3))) == ["v1", "v2", None]
+    with pytest.raises(RuntimeError, match="the batch failed"):
+        await in_batch(group, 4, 5)  # no request is decided outside its batch
+    held = asyncio.create_task(in_batch(group, 5, 5))
+    await writing.wait()
+    with pytest.raises(errors.DatabaseUnavailable):
+        await in_batch(group, 6, 0.05)  # no place in a statement in time: a 503, nothing written
+    gate.set()
+    assert await held == "v5"
+
+
+async def test_keys_behind_a_stalled_statement_go_out_beside_it_up_to_a_bound() -> None:
+    """A statement held open (its batch waits for a lock someone holds) delays only its own
+    keys: after ``stalled_after_s`` the keys behind it go out in a statement of their own, and
+    never more statements than ``max_in_flight`` at once."""
+    stuck = asyncio.Event()
+
+    async def flush(keys: list[int]) -> dict[int, str]:
+        if any(k < 0 for k in keys):
+            await stuck.wait()
+        return {k: f"v{k}" for k in keys}
+
+    group: GroupCommit[int, str] = GroupCommit(flush, stalled_after_s=0.01, max_in_flight=2)
+    held = asyncio.create_task(group.submit(-1))
+    await _turns()
+    assert await asyncio.wait_for(group.submit(1), 5) == "v1", "it went out beside the stuck one"
+    second = asyncio.create_task(group.submit(-2))  # beside the first: both stuck now
+    await _turns()
+    third = asyncio.create_task(group.submit(3))
+    await _turns()
+    # Two statements in flight at most: nothing is even scheduled to send it beside them.
+    assert group._timer is None and not third.done()
+    stuck.set()
+    assert await asyncio.gather(held, second, third) == ["v-1", "v-2", "v3"]
+    await group.idle()

@@ -128,19 +128,22 @@ def test_every_function_trigger_and_view_is_defined_once_and_re_applies() -> Non
         for match in CREATE_TRIGGER.finditer(repeatable.sql):
             assert match.group(1), f"{repeatable.name}: {match.group(2)} is not OR REPLACE"
             triggers[match.group(2)] += 1
-    assert {"aq_lock_user_v1", "aq_admit_v2", "aq_finish_v2", "aq_job_changes_v1"} <= set(functions)
+    assert {"aq_lock_user_v1", "aq_admit_v3", "aq_finish_v3", "aq_job_changes_v1"} <= set(functions)
     assert [name for name, n in functions.items() if n > 1] == []
     assert [name for name, n in triggers.items() if n > 1] == []
     assert views and [name for name, n in views.items() if n > 1] == []
     assert len(triggers) == 2
-    # Functions come before the triggers that call them.
+    # Functions come before the previous release's entry points, which call them, and both
+    # before the triggers.
     names = [r.name for r in repeatables()]
-    assert names == sorted(names, key=lambda n: (not n.startswith("functions/"), n))
+    order = ("functions/", "previous_release/", "triggers/")
+    assert names == sorted(names, key=lambda n: ([n.startswith(o) for o in order].index(True), n))
 
 
 def test_no_sql_outside_the_three_places() -> None:
-    """SQL the service runs is in sql/migrations, sql/functions, triggers or sql/queries.sql."""
-    places = {"migrations", "functions", "queries.sql"}
+    """SQL the service runs is in sql/migrations, sql/functions, sql/previous_release, triggers
+    or sql/queries.sql."""
+    places = {"migrations", "functions", "previous_release", "queries.sql"}
     assert {p.name for p in sql_dir("sql").iterdir()} == places
     assert all(p.suffix == ".sql" for p in sql_dir("triggers").iterdir())
 
@@ -162,8 +165,9 @@ def test_user_lock_key_is_spelled_once() -> None:
     )
     assert key is not None
     assert key.start(1) < hits[0][1] < key.end(1)
-    # Every function that takes or tries a user's lock computes the key with it.
-    for name in ("aq_lock_user_v1", "aq_try_lock_user_v1"):
+    # The function that takes a user's lock computes the key with it; every other takes it
+    # through that one.
+    for name in ("aq_lock_user_v1",):
         body = re.search(
             rf"CREATE OR REPLACE FUNCTION {name}\(.*?\$\$(.*?)\$\$", text, flags=re.DOTALL
         )
