@@ -44,6 +44,11 @@ from analysis_queue.core.client import CoreClient  # noqa: E402
 from analysis_queue.http.auth import mint_token  # noqa: E402
 from analysis_queue.loops.sweep import Sweeper, SweepSettings  # noqa: E402
 from analysis_queue.metrics import Metrics  # noqa: E402
+from analysis_queue.models import (  # noqa: E402
+    AdmitRequest,
+    JobStatus,
+    ReserveRequest,
+)
 from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings  # noqa: E402
 from analysis_queue.queue.finish import Finisher  # noqa: E402
 from analysis_queue.queue.followup import FollowUp  # noqa: E402
@@ -51,7 +56,6 @@ from analysis_queue.queue.promote import Promoter  # noqa: E402
 from analysis_queue.store.database import Database  # noqa: E402
 from analysis_queue.store.listen import JOBS_CHANNEL  # noqa: E402
 from analysis_queue.store.migrate import apply_migrations  # noqa: E402
-from analysis_queue.store.sqlfiles import queries  # noqa: E402
 
 SECRETS = {
     "AQ_JWT_SECRET": "bench-jwt-secret-0123456789abcdef0123",
@@ -140,10 +144,13 @@ def _env(**values: str) -> dict[str, str]:
 
 @asynccontextmanager
 async def running_stack(
-    dsn: str, tmp: Path, http: aiohttp.ClientSession, **service_env: str
+    dsn: str, tmp: Path, http: aiohttp.ClientSession, *, instances: int = 1, **service_env: str
 ) -> AsyncIterator[tuple[str, str, Proc]]:
-    """A Core simulator process and one service process on ``dsn``."""
-    port, sim_port = free_port(), free_port()
+    """A Core simulator process and ``instances`` service processes on ``dsn``. Yields the
+    first instance's URL, the simulator's and the first instance's process; with more than one,
+    ``svc.bases`` and ``svc.peers`` name them all (the simulator calls back the first)."""
+    ports, sim_port = [free_port() for _ in range(instances)], free_port()
+    port = ports[0]
     cli = [sys.executable, "-m", "analysis_queue.cli"]
     sim = Proc(
         [
@@ -159,24 +166,32 @@ async def running_stack(
         _env(AQ_LOG_LEVEL="WARNING"),
         tmp / f"sim-{sim_port}.log",
     )
-    env = _env(
-        AQ_DATABASE_URL=dsn,
-        AQ_CORE_URL=f"http://127.0.0.1:{sim_port}",
-        AQ_PORT=str(port),
-        AQ_DATA_DIR=str(tmp),
-        AQ_LOG_LEVEL="WARNING",
-        AQ_POOL_MAX_SIZE=str(POOL_SIZE),
-        **{f"AQ_{k}": v for k, v in service_env.items()},
-    )
-    svc = Proc([*cli, "serve"], env, tmp / f"svc-{port}.log")
-    base, sim_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sim_port}"
+    procs: list[Proc] = []
+    for p in ports:
+        env = _env(
+            AQ_DATABASE_URL=dsn,
+            AQ_CORE_URL=f"http://127.0.0.1:{sim_port}",
+            AQ_PORT=str(p),
+            AQ_DATA_DIR=str(tmp),
+            AQ_LOG_LEVEL="WARNING",
+            AQ_POOL_MAX_SIZE=str(POOL_SIZE),
+            **{f"AQ_{k}": v for k, v in service_env.items()},
+        )
+        procs.append(Proc([*cli, "serve"], env, tmp / f"svc-{p}.log"))
+    svc = procs[0]
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    base, sim_base = bases[0], f"http://127.0.0.1:{sim_port}"
     try:
         await _wait_http(http, f"{sim_base}/_sim/runs")
-        await _wait_http(http, f"{base}/readyz")
+        for b in bases:
+            await _wait_http(http, f"{b}/readyz")
         svc.sim = sim  # type: ignore[attr-defined]
+        svc.bases = bases  # type: ignore[attr-defined]
+        svc.peers = procs  # type: ignore[attr-defined]
         yield base, sim_base, svc
     finally:
-        svc.stop()
+        for proc in procs:
+            proc.stop()
         sim.stop()
 
 
@@ -562,14 +577,26 @@ async def bench_drain(
     users_n: int,
     per_user: int,
     ceiling: int = 0,
+    instances: int = 2,
 ) -> dict[str, Any]:
+    """``users_n`` users admit ``per_user`` jobs each over HTTP, spread across ``instances``
+    service processes (a user's clicks go to either), Core instant: the time until every job
+    succeeded."""
     users = [f"d{i}" for i in range(users_n)]
     total = users_n * per_user
     async with fresh_database(server) as dsn:
         await grant_all(dsn, users, per_user)
         env = {"GLOBAL_MAX_RUNNING": str(ceiling)}
-        async with running_stack(dsn, tmp, http, **env) as (base, _sim, svc):
-            clients = {u: user_client(base, http, u) for u in users}
+        async with running_stack(dsn, tmp, http, instances=instances, **env) as (
+            _base,
+            _sim,
+            svc,
+        ):
+            bases = svc.bases  # type: ignore[attr-defined]
+            procs: list[Proc] = svc.peers  # type: ignore[attr-defined]
+            clients = {
+                (u, b): user_client(base, http, u) for u in users for b, base in enumerate(bases)
+            }
             work = [(u, n) for n in range(per_user) for u in users]
             cursor = 0
             import psutil
@@ -588,7 +615,11 @@ async def bench_drain(
                 )
             )
             await asyncio.sleep(0.2)  # its first ANALYZE is in before the clock starts
-            cpu0 = (svc.cpu_s(), svc.sim.cpu_s(), psutil.cpu_times(), time.process_time())
+
+            def service_cpu_s() -> float:
+                return sum(p.cpu_s() for p in procs)
+
+            cpu0 = (service_cpu_s(), svc.sim.cpu_s(), psutil.cpu_times(), time.process_time())
             started = time.perf_counter()
 
             async def worker() -> None:
@@ -596,7 +627,7 @@ async def bench_drain(
                 while cursor < len(work):
                     u, n = work[cursor]
                     cursor += 1
-                    await admit(clients[u], n)
+                    await admit(clients[u, cursor % len(bases)], n)
 
             await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
             admitted_s = time.perf_counter() - started
@@ -604,13 +635,19 @@ async def bench_drain(
             wall = time.perf_counter() - started
             analyzer.cancel()
             await asyncio.gather(analyzer, return_exceptions=True)
-            rss = svc.peak_rss_mb()
-            batching = await _group_commits(http, base)
-            notifications = await _metric(http, base, "aq_notifications_total")
+            rss = max(p.peak_rss_mb() for p in procs)
+            batching: dict[str, dict[str, float]] = {}
+            for base in bases:
+                for what, counts in (await _group_commits(http, base)).items():
+                    mine = batching.setdefault(what, {})
+                    for k, v in counts.items():
+                        mine[k] = mine.get(k, 0) + v
+            # Every instance hears every notification: one instance's count is the commits'.
+            notifications = await _metric(http, bases[0], "aq_notifications_total")
             sys_now = psutil.cpu_times()
             busy = (sys_now.user + sys_now.system) - (cpu0[2].user + cpu0[2].system)
             cpu = {
-                "service": (svc.cpu_s() - cpu0[0]) / wall,
+                "service": (service_cpu_s() - cpu0[0]) / wall,
                 "simulator": (svc.sim.cpu_s() - cpu0[1]) / wall,
                 "load_generator": (time.process_time() - cpu0[3]) / wall,
                 "machine": busy / wall,
@@ -636,6 +673,8 @@ async def bench_drain(
         finally:
             await conn.close()
     return {
+        "instances": instances,
+        "ceiling": ceiling or None,
         "jobs": total,
         "succeeded": succeeded,
         "admitted_in_s": admitted_s,
@@ -752,7 +791,6 @@ async def raw_drain(
     service. ``CONCURRENCY`` workers each drain whole users. Its rate bounds any drain on this
     machine."""
     users = [f"r{i}" for i in range(users_n)]
-    q = queries()
     thesis, sources = _body(0)["thesis"], _body(0)["sources"]
     async with fresh_database(server) as dsn:
         await grant_all(dsn, users, per_user)
@@ -767,45 +805,34 @@ async def raw_drain(
 
         await listener.add_listener(JOBS_CHANNEL, on_notify)
         db = await Database.connect(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY)
-        pool = db.pool
         todo = list(users)
         started = time.perf_counter()
 
-        async def job_done(conn: Any, job_id: uuid.UUID) -> uuid.UUID | None:
-            await conn.fetch(q["jobs_claim"], [job_id], "raw", 60.0)
-            await conn.fetch(q["jobs_mark_running"], [job_id], "raw", True)
-            row = await conn.fetchrow(
-                q["finish"],
-                job_id,
-                None,
-                None,
-                "succeeded",
-                ["pending", "running"],
-                False,
-                None,
-                None,
-                None,
-                True,
+        async def job_done(job_id: uuid.UUID) -> uuid.UUID | None:
+            await db.claim([job_id], "raw", 60.0)
+            await db.mark_running([job_id], "raw")
+            done = await db.finish(
+                job_id=job_id, status=JobStatus.SUCCEEDED, from_statuses=ACTIVE, ran=True
             )
-            promoted = row["promoted"]  # every job the finish promoted (one at most here)
-            return promoted[0]["id"] if promoted else None
+            assert done is not None
+            # every job the finish promoted (one at most here)
+            return done.promoted[0].id if done.promoted else None
 
         async def worker() -> None:
             while todo:
                 user = todo.pop()
-                async with pool.acquire() as conn:
-                    first = None
-                    for _ in range(per_user):
-                        job, run = uuid.uuid4(), uuid.uuid4()
-                        await conn.fetchrow(
-                            q["reserve"], user, run, job, 1, thesis, sources, None, None
-                        )
-                        row = await conn.fetchrow(
-                            q["admit"],
-                            job,
+                first = None
+                for _ in range(per_user):
+                    click = ReserveRequest(
+                        user, uuid.uuid4(), uuid.uuid4(), 1, thesis, sources, None, None
+                    )
+                    await db.reserve(click)
+                    admission = await db.admit(
+                        AdmitRequest(
+                            click.job_id,
                             user,
-                            run,
-                            f"raw-{run}",
+                            click.run_id,
+                            f"raw-{click.run_id}",
                             thesis,
                             sources,
                             1,
@@ -813,11 +840,12 @@ async def raw_drain(
                             None,
                             None,
                         )
-                        if row["status"] == "pending":
-                            first = job
-                    nxt = first
-                    while nxt is not None:
-                        nxt = await job_done(conn, nxt)
+                    )
+                    if admission.job.status is JobStatus.PENDING:
+                        first = click.job_id
+                nxt = first
+                while nxt is not None:
+                    nxt = await job_done(nxt)
 
         await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
         wall = time.perf_counter() - started
@@ -833,6 +861,9 @@ async def raw_drain(
     total = users_n * per_user
     assert succeeded == total, f"{succeeded}/{total} succeeded"
     return {"jobs": total, "seconds": wall, "jobs_per_s": total / wall, "notifications": heard}
+
+
+ACTIVE = (JobStatus.PENDING, JobStatus.RUNNING)
 
 
 # -- 4. sweep cost vs history -------------------------------------------------------------------
@@ -970,10 +1001,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     ),
                 }
                 print_promotion(results["promotion"])
-            if "drain_service" in only:  # the service's drain alone (A/B runs of two versions)
+            if "drain_service" in only:  # the service's drains alone (A/B runs of two versions)
                 users = 200 if args.quick else 1000
                 results["drain"] = await bench_drain(server, tmp, http, users, 5)
                 print_drain(results["drain"])
+                results["drain_ceiling_40"] = await bench_drain(
+                    server, tmp, http, users, 5, ceiling=40
+                )
+                print_drain(results["drain_ceiling_40"], "with the provider ceiling at 40")
+                print_ceiling_ratio(results["drain_ceiling_40"], results["drain"])
             if "drain" in only:
                 users = 200 if args.quick else 1000
                 results["drain_raw_sql"] = {
@@ -994,6 +1030,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     server, tmp, http, users, 5, ceiling=40
                 )
                 print_drain(results["drain_ceiling_40"], "with the provider ceiling at 40")
+                print_ceiling_ratio(results["drain_ceiling_40"], results["drain"])
+                print_peer_drain(results["drain_peer_procrastinate"], results["drain_ceiling_40"])
             if "sweep" in only:
                 big = 100_000 if args.quick else 1_000_000
                 results["sweep"] = await bench_sweep(server, [1000, big], 10_000)
@@ -1032,7 +1070,7 @@ def print_promotion(r: dict[str, Any]) -> None:
 
 
 def print_drain(r: dict[str, Any], label: str = "") -> None:
-    print(f"\n3. Drain {label}")
+    print(f"\n3. Drain {label}, {r['instances']} instance(s)")
     print(
         f"   {r['jobs']} jobs: admitted in {r['admitted_in_s']:.1f}s, all succeeded in {r['drained_in_s']:.1f}s "
         f"= {r['jobs_per_s']:.0f} jobs/s; max concurrency per user {r['max_concurrency_per_user']}, "
@@ -1051,6 +1089,13 @@ def print_drain(r: dict[str, Any], label: str = "") -> None:
             + (f" ({alone:.0f} then alone)" if (alone := v.get("alone_busy", 0)) else "")
             for what, v in sorted(gc.items())
         )
+    )
+
+
+def print_ceiling_ratio(on: dict[str, Any], off: dict[str, Any]) -> None:
+    print(
+        f"   the ceiling at 40 / off: {on['jobs_per_s'] / off['jobs_per_s']:.2f} "
+        f"({on['jobs_per_s']:.0f} / {off['jobs_per_s']:.0f} jobs/s)"
     )
 
 
