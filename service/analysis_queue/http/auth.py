@@ -4,6 +4,7 @@ bearer token."""
 from __future__ import annotations
 
 import hmac
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,6 +22,27 @@ MAX_TOKEN_TTL_S = 24 * 3600
 MAX_USER_ID_LEN = 200
 # Clock skew tolerated on ``nbf`` and ``iat`` (a token minted by a clock slightly ahead of ours).
 LEEWAY_S = 30
+
+
+def _numeric_date(claims: dict[str, Any], name: str) -> float | None:
+    """Claim ``name`` as an RFC 7519 NumericDate (a JSON number of seconds since the epoch: an
+    integer, or a finite non-integer), None when absent; else 401 naming the claim. An integer
+    beyond a float's range is refused too: no time this service can compare."""
+    if name not in claims:
+        return None
+    value = claims[name]
+    try:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(name)
+        seconds = float(value)
+    except (TypeError, OverflowError):
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise errors.Unauthorized(
+            f"The token's {name} claim must be a finite number of seconds since the epoch "
+            "(an RFC 7519 NumericDate)."
+        )
+    return seconds
 
 
 def _bearer(header: str | None) -> str:
@@ -79,30 +101,35 @@ class JwtPolicy:
                 algorithms=[ALGORITHM],  # pinned: "none" and algorithm confusion are refused
                 issuer=self.issuer,
                 audience=self.audience,
-                leeway=LEEWAY_S,
-                options={"require": required},
+                # The times are checked below, as numbers: pyjwt takes whatever int() takes,
+                # a string "1796..." or a boolean among them.
+                options={
+                    "require": required,
+                    "verify_exp": False,
+                    "verify_nbf": False,
+                    "verify_iat": False,
+                },
             )
-            exp = int(claims["exp"])  # pyjwt has checked that it is an integer
-        except jwt.ExpiredSignatureError as exc:
-            raise errors.Unauthorized("The token has expired.") from exc
-        except jwt.ImmatureSignatureError as exc:
-            raise errors.Unauthorized("The token is not valid yet.") from exc
         except (jwt.PyJWTError, ValueError, TypeError, OverflowError) as exc:
             raise errors.Unauthorized("The token is invalid.") from exc
+        exp, nbf, iat = (_numeric_date(claims, name) for name in ("exp", "nbf", "iat"))
+        assert exp is not None  # required
         now = time.time()
-        if exp <= now:
+        if exp <= now:  # no leeway: a verified token can be cached until exactly exp
             raise errors.Unauthorized("The token has expired.")
-        self._check_lifetime(claims.get("iat"), exp, now)
+        if (nbf is not None and nbf > now + LEEWAY_S) or (iat is not None and iat > now + LEEWAY_S):
+            raise errors.Unauthorized("The token is not valid yet.")
+        self._check_lifetime(iat, exp, now)
         sub = claims.get("sub")
         if not isinstance(sub, str) or not 0 < len(sub) <= MAX_USER_ID_LEN or not sub.isprintable():
             raise errors.Unauthorized("The token's subject is not a valid user id.")
-        return sub, exp
+        return sub, math.floor(exp)  # a cache keeps it until exp at the latest
 
-    def _check_lifetime(self, iat: Any, exp: int, now: float) -> None:
-        # pyjwt has checked that an ``iat`` converts with int() and lies no later than now
-        # plus the leeway, so the remaining lifetime is bounded by the stated one.
+    def _check_lifetime(self, iat: float | None, exp: float, now: float) -> None:
+        # An ``iat`` lies no later than now plus the leeway, so the remaining lifetime is
+        # bounded by the stated one.
         if iat is not None:
-            too_long = exp - int(iat) > self.max_ttl_s
+            too_long = exp - iat > self.max_ttl_s
         else:
             too_long = exp - now > self.max_ttl_s + LEEWAY_S
         if too_long:

@@ -3,6 +3,7 @@ audience, minting (library and CLI) and the verified-token cache under those set
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -213,3 +214,41 @@ def test_cli_token_follows_a_shorter_maximum(
     assert claims["exp"] - claims["iat"] == 600
     assert cli.main(["token", "carol", "--ttl", "601"]) == cli.EXIT_USAGE
     assert "600" in capsys.readouterr().err
+
+
+# -- the times are numbers (RFC 7519 NumericDate) -------------------------------------------------
+
+
+@pytest.mark.parametrize("claim", ["exp", "nbf", "iat"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(lambda now: str(now + 60), id="a-string-of-digits"),
+        pytest.param(lambda now: True, id="true"),
+        pytest.param(lambda now: False, id="false"),
+        pytest.param(lambda now: float("inf"), id="infinity"),
+        pytest.param(lambda now: float("nan"), id="nan"),
+        pytest.param(lambda now: 10**400, id="beyond-a-float"),
+        pytest.param(lambda now: [now], id="a-list"),
+    ],
+)
+def test_a_time_claim_that_is_not_a_finite_number_is_refused_by_name(
+    claim: str, value: Any
+) -> None:
+    """A string of digits is what pyjwt would take (it calls int()); booleans are ints to
+    Python; non-finite floats are what Python's JSON parser reads for Infinity and NaN."""
+    now = int(time.time())
+    claims = {"exp": now + 600, "iat": now - 5, "nbf": now - 5, claim: value(now)}
+    payload = json.dumps({"sub": "alice", **claims}).encode()  # allows Infinity and NaN
+    token = jwt.api_jws.encode(payload, SECRET, algorithm="HS256")
+    with pytest.raises(errors.Unauthorized, match=f"{claim} claim must be a finite number"):
+        _user(token)
+
+
+def test_time_claims_may_be_integers_or_finite_fractions() -> None:
+    now = time.time()
+    assert _user(_token(exp=now + 600.5, iat=now - 0.25, nbf=now - 1.5)) == "alice"
+    with pytest.raises(errors.Unauthorized, match="expired"):
+        _user(_token(exp=now - 0.5))
+    with pytest.raises(errors.Unauthorized, match="lifetime"):
+        _user(_token(exp=1e300))  # finite, and valid "for ever"
