@@ -153,7 +153,12 @@ def build_app(
     if missing:
         raise StartupError(f"not set: {', '.join(missing)}")
     app = web.Application(
-        middlewares=[edge.head_middleware, api.request_id_middleware, problems.problem_middleware],
+        middlewares=[
+            edge.head_middleware,
+            api.request_id_middleware,
+            problems.problem_middleware,
+            api.single_headers_middleware,
+        ],
         client_max_size=CLIENT_MAX_SIZE,
     )
     app.add_routes(api.routes)

@@ -46,6 +46,10 @@ class MalformedHttp(MalformedRequest):
     """The request is not well-formed HTTP."""
 
 
+class RepeatedHeader(MalformedRequest):
+    """A header that must come once came more than once."""
+
+
 class RequestTimeout(AppError):
     """The request was not received in time."""
 

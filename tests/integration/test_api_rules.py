@@ -287,6 +287,49 @@ async def test_bad_credentials_get_401_with_www_authenticate(
     assert h.sim.runs_snapshot() == []
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "repeated"),
+    [
+        ("POST", "/v1/analyses", "Authorization"),
+        ("POST", "/v1/analyses", "Idempotency-Key"),
+        ("GET", "/v1/events", "Last-Event-ID"),
+        ("GET", "/v1/analyses", "authorization"),  # header names are case-insensitive
+    ],
+)
+async def test_a_repeated_identity_header_is_a_400_that_names_it(
+    harness: Harness, method: str, path: str, repeated: str
+) -> None:
+    """Two Authorization headers (or two keys, or two stream positions): a proxy in front may
+    act on the last where the service would take the first, so the service takes neither."""
+    h = harness
+    await _quiet_instance(h)
+    await h.grant("u", 3)
+    await h.grant("v", 3)
+    before = await _money(h, "u")
+    values = {
+        "authorization": [h.auth("u")["Authorization"], h.auth("v")["Authorization"]],
+        "idempotency-key": ["key-1", "key-2"],
+        "last-event-id": ["0", "5"],
+    }[repeated.lower()]
+    headers = [(repeated, value) for value in values]
+    if repeated.lower() != "authorization":
+        headers.append(("Authorization", h.auth("u")["Authorization"]))
+    json = thesis_body(1) if method == "POST" else None
+    async with h.http.request(
+        method, f"{h.instances[0].base_url}{path}", json=json, headers=headers
+    ) as r:
+        reply = Reply(r.status, dict(r.headers), r.content_type, orjson.loads(await r.read()))
+
+    _assert_problem(reply, 400, "malformed_request")
+    assert reply.body["title"] == "A header that must come once came more than once."
+    canonical = {"authorization": "Authorization"}.get(repeated, repeated)
+    assert reply.body["errors"] == [
+        {"field": canonical, "message": "sent 2 times; send it once"}
+    ], reply.body
+    await _assert_nothing_left(h, "u", before)
+    assert h.sim.runs_snapshot() == []
+
+
 async def test_core_offline_at_create_gives_503_and_the_sweep_cancels_the_orphan(
     harness: Harness,
 ) -> None:

@@ -89,7 +89,8 @@ class InvalidParameter(ProblemError):
 
 
 class MalformedRequest(ProblemError):
-    """400 malformed_request: not JSON, or not well-formed HTTP."""
+    """400 malformed_request: not JSON, not well-formed HTTP, or a header that must come once
+    (Authorization, Idempotency-Key, Last-Event-ID) repeated."""
 
 
 class Unauthorized(ProblemError):

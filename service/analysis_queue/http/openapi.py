@@ -421,8 +421,9 @@ _CORE_HEADERS = [
 
 # What each problem status means, per operation kind; the codes are the stable `code` values.
 _PROBLEMS: dict[int, str] = {
-    400: "malformed_request: the body is not JSON (or not UTF-8); invalid_parameter: a query "
-    "parameter (with `errors`).",
+    400: "malformed_request: the body is not JSON (or not UTF-8), or a request repeats its "
+    "Authorization, Idempotency-Key or Last-Event-ID header (with `errors`); invalid_parameter: "
+    "a query parameter (with `errors`).",
     401: "unauthorized: missing, invalid or expired credentials.",
     402: "insufficient_credits.",
     404: "not_found.",

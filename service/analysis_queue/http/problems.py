@@ -25,6 +25,7 @@ STATUS: dict[type[errors.AppError], int] = {
     errors.AppError: 500,
     errors.MalformedRequest: 400,
     errors.MalformedHttp: 400,
+    errors.RepeatedHeader: 400,
     errors.BadRequest: 400,
     errors.InvalidParameter: 400,
     errors.Unauthorized: 401,

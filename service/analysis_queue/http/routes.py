@@ -342,6 +342,26 @@ async def readyz(request: web.Request) -> web.Response:
     )
 
 
+# Headers that say who is asking and which request this is: one of each, or the service and a
+# proxy in front of it (which may take the last where aiohttp takes the first) could act on
+# different answers. X-Request-ID is only a label and is replaced when it is not usable.
+SINGLE_HEADERS = ("Authorization", "Idempotency-Key", "Last-Event-ID")
+
+
+@web.middleware
+async def single_headers_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A request that repeats one of ``SINGLE_HEADERS`` is a 400 naming it, before any handler
+    reads it."""
+    for name in SINGLE_HEADERS:
+        count = len(request.headers.getall(name, ()))
+        if count > 1:
+            message = f"sent {count} times; send it once"
+            raise errors.RepeatedHeader(
+                f"The {name} header is {message}.", errors=[{"field": name, "message": message}]
+            )
+    return await handler(request)
+
+
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request_id = request.headers.get("X-Request-ID", "")
