@@ -73,8 +73,9 @@ SELECT aq_user_limit_v1($1) AS max_running,
 SELECT aq_credit_grant_v1($1, $2, $3) AS balance;
 
 -- credit_balance --
--- A user's balance: $1 user.
-SELECT coalesce((SELECT balance FROM credit_accounts WHERE user_id = $1), 0) AS balance;
+-- A user's balance, and what of it the clicks in flight hold (aq_reserve_v2): $1 user.
+SELECT coalesce((SELECT balance FROM credit_accounts WHERE user_id = $1), 0) AS balance,
+       coalesce((SELECT sum(cost) FROM core_run_reservations WHERE user_id = $1), 0) AS held;
 
 -- job_open_counts --
 -- Open jobs by status, for metrics: reads only the partial indexes of open work (queued

@@ -289,6 +289,14 @@ async def check_invariants(dsn: str) -> None:
                                                WHEN 'refund' THEN l.amount END), 0)"""
         )
         assert not drift, f"balance != grants - debits + refunds: {drift}"
+        # What clicks in flight hold (aq_reserve_v2) is part of the balance, never more.
+        over_held = await conn.fetch(
+            """SELECT c.user_id, sum(c.cost) AS held, coalesce(max(a.balance), 0) AS balance
+                 FROM core_run_reservations c LEFT JOIN credit_accounts a USING (user_id)
+                GROUP BY c.user_id
+               HAVING sum(c.cost) > coalesce(max(a.balance), 0)"""
+        )
+        assert not over_held, f"holds beyond the balance: {over_held}"
         over_limit = await conn.fetch(
             """SELECT user_id, count(*) FROM analysis_jobs
                 WHERE status IN ('pending', 'running') AND delta_of_job_id IS NULL

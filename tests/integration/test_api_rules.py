@@ -207,7 +207,7 @@ async def test_no_credit_is_refused_before_core_is_asked(harness: Harness) -> No
     await _assert_nothing_left(h, "broke", before)
     assert h.sim.runs_snapshot() == [], "Core must not be asked without credit"
     credits = await _call(h, "GET", "/v1/credits", user="broke")
-    assert (credits.status, credits.body) == (200, {"balance": 0})
+    assert (credits.status, credits.body) == (200, {"balance": 0, "held": 0})
 
     # A user who spent their last credit is refused the same way.
     await _admit_ok(h, "rich", 1)
@@ -328,6 +328,40 @@ async def test_a_repeated_identity_header_is_a_400_that_names_it(
     ], reply.body
     await _assert_nothing_left(h, "u", before)
     assert h.sim.runs_snapshot() == []
+
+
+async def test_the_credits_a_click_in_flight_holds_are_shown_until_it_is_admitted(
+    harness: Harness,
+) -> None:
+    """A click's credit is held from its reservation (before Core is asked) to its admit, which
+    debits it: meanwhile GET /v1/credits shows it held, part of the unchanged balance."""
+    h = harness
+    await _quiet_instance(h)
+    await h.grant("u", 2)
+    blocker = await h.db()
+    try:
+        tx = blocker.transaction()
+        await tx.start()
+        await blocker.execute("SELECT aq_lock_global_v1()")  # the admit waits for it
+        admitting = asyncio.create_task(h.admit("u", 1))
+
+        async def credits() -> Any:
+            reply = await _call(h, "GET", "/v1/credits", user="u")
+            assert reply.status == 200, reply
+            return reply.body
+
+        async def held() -> bool:
+            return bool((await credits())["held"])
+
+        await wait_for(held, timeout_s=10, what="the click's hold")
+        assert await credits() == {"balance": 2, "held": 1}
+        await tx.rollback()
+        status, _ = await asyncio.wait_for(admitting, 20)
+    finally:
+        await blocker.close()
+    assert status == 201
+    assert await credits() == {"balance": 1, "held": 0}
+    await check_invariants(h.database_url)
 
 
 async def test_core_offline_at_create_gives_503_and_the_sweep_cancels_the_orphan(

@@ -317,7 +317,7 @@ async def test_a_request_that_cannot_get_a_connection_fails_fast_and_readiness_s
         for conn in held:
             await pool.release(conn)
     status, _, body, _ = await _timed_get(h, inst, "/v1/credits")
-    assert (status, body) == (200, {"balance": 1})
+    assert (status, body) == (200, {"balance": 1, "held": 0})
 
 
 async def test_a_statement_stuck_behind_a_lock_is_cancelled_after_its_bound(
@@ -348,4 +348,4 @@ async def test_a_statement_stuck_behind_a_lock_is_cancelled_after_its_bound(
         await blocker.execute("ROLLBACK")
         await blocker.close()
     status, _, body, _ = await _timed_get(h, inst, "/v1/credits")
-    assert (status, body) == (200, {"balance": 1})
+    assert (status, body) == (200, {"balance": 1, "held": 0})

@@ -188,6 +188,7 @@ async def test_concurrent_clicks_see_each_others_holds_and_a_released_hold_frees
         ReservationOutcome.INSUFFICIENT_CREDITS,
     ]
     assert reservations[clicks[2]].balance == 0, "nothing left to hold"
+    assert await db.credits("alice") == (2, 2), "the balance, both of it held"
     assert (await db.reserve(_reserve("alice"))).outcome is ReservationOutcome.INSUFFICIENT_CREDITS
     await db.release_reservation(clicks[1].run_id)  # Core refused the second
     again = _reserve("alice")
@@ -196,7 +197,7 @@ async def test_concurrent_clicks_see_each_others_holds_and_a_released_hold_frees
     assert await db.balance("alice") == 2
     admitted = await db.admit_many([_admit(clicks[0]), _admit(again)])
     assert [admitted[a].outcome for a in admitted] == [BatchOutcome.DONE] * 2
-    assert await db.balance("alice") == 0
+    assert await db.credits("alice") == (0, 0)
     assert await fetchval(database_url, "SELECT count(*) FROM core_run_reservations") == 0
     await check_invariants(database_url)
 

@@ -39,7 +39,7 @@ async def test_configured_issuer_and_audience_are_required(
         body = await r.json(content_type=None)
 
     if accepted:
-        assert (r.status, body) == (200, {"balance": 0})
+        assert (r.status, body) == (200, {"balance": 0, "held": 0})
     else:
         assert (r.status, r.content_type, body["code"]) == (
             401,

@@ -193,6 +193,7 @@ def parse_event(event_type: str, data: str) -> Event:
 
 class Credits(_Model):
     balance: int
+    held: int = 0  # of the balance, what clicks still being admitted hold
 
 
 class CreditGrantResult(_Model):

@@ -266,8 +266,17 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
     "Credits": {
         "type": "object",
         "additionalProperties": False,
+        # held is new in 0.2: a client of this release still reads a 0.1 server's answer.
         "required": ["balance"],
-        "properties": {"balance": {"type": "integer", "minimum": 0}},
+        "properties": {
+            "balance": {"type": "integer", "minimum": 0},
+            "held": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Of the balance, what clicks still being admitted hold: a new "
+                "click can spend `balance - held`.",
+            },
+        },
     },
     "CreditGrantResult": {
         "type": "object",

@@ -220,7 +220,8 @@ async def create_recheck(request: web.Request) -> web.Response:
 @routes.get("/v1/credits")
 async def get_credits(request: web.Request) -> web.Response:
     user_id = _user(request)
-    return json_response({"balance": await _services(request).db.balance(user_id)})
+    balance, held = await _services(request).db.credits(user_id)
+    return json_response({"balance": balance, "held": held})
 
 
 @routes.post("/v1/admin/credits")

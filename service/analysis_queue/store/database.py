@@ -610,8 +610,13 @@ class Database:
         return int(row["balance"])
 
     async def balance(self, user_id: str) -> int:
+        return (await self.credits(user_id))[0]
+
+    async def credits(self, user_id: str) -> tuple[int, int]:
+        """(balance, held): the balance, and what of it clicks in flight hold until their admit
+        debits it or their reservation goes."""
         row = await self._fetchrow("credit_balance", user_id)
-        return int(row["balance"])
+        return int(row["balance"]), int(row["held"])
 
     # -- schema ------------------------------------------------------------------------------
 
