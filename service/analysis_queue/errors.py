@@ -203,6 +203,9 @@ class DatabaseUnavailable(AppError):
     # True when the statement certainly did not commit (the server refused it, or it never got
     # a place in a statement); False when its outcome is unknown (a connection lost mid-way).
     nothing_written = False
+    # True when the connection died under the statement (a terminated backend, a reset socket):
+    # a statement that is safe to repeat may be sent once more, on another connection.
+    connection_lost = False
 
 
 class TooManyConnections(AppError):

@@ -14,6 +14,8 @@
 -- see each other's holds and a click that cannot be paid for never reaches Core. The hold is
 -- the reservation row's cost: the admit turns it into the debit; deleting the row (Core
 -- refused, or the sweep reclaimed it) releases it, once.
+-- A click whose run id is reserved already is answered reserved again, holding nothing more:
+-- a call repeated after its connection died is safe (store/database.py, SAFE_TO_REPEAT).
 -- p_items: [{"item", "user_id", "run_id", "job_id", "cost", "thesis", "sources",
 -- "idempotency_key", "request_hash"}]. Outcomes: reserved | existing | in_progress |
 -- key_reused | insufficient_credits; balance: what was left to hold, on a refusal.
@@ -46,13 +48,19 @@ BEGIN
       LEFT JOIN credit_accounts a ON a.user_id = u.u;
     FOR r IN
         SELECT * FROM jsonb_to_recordset(p_items) AS x(
-            item integer, user_id text, job_id uuid, cost integer, idempotency_key text,
-            request_hash text)
+            item integer, user_id text, run_id uuid, job_id uuid, cost integer,
+            idempotency_key text, request_hash text)
         ORDER BY x.item
     LOOP
         item := r.item;
         job_id := NULL;
         balance := NULL;
+        IF EXISTS (SELECT 1 FROM core_run_reservations c WHERE c.run_id = r.run_id) THEN
+            outcome := 'reserved';
+            job_id := r.job_id;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
         IF r.idempotency_key IS NOT NULL THEN
             SELECT j.id, j.request_hash INTO job_id, v_hash FROM analysis_jobs j
              WHERE j.user_id = r.user_id AND j.idempotency_key = r.idempotency_key;

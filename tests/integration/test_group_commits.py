@@ -214,7 +214,8 @@ async def test_a_failed_admit_keeps_its_key_taken_and_gives_its_credit_back(
     await _reserved(db, [failed])
     assert (await db.reserve(_reserve("bea"))).outcome is ReservationOutcome.INSUFFICIENT_CREDITS
     await db.release_hold(failed.run_id)
-    assert (await db.reserve(failed)).outcome is ReservationOutcome.IN_PROGRESS
+    retry = dataclasses.replace(failed, run_id=uuid.uuid4(), job_id=uuid.uuid4())
+    assert (await db.reserve(retry)).outcome is ReservationOutcome.IN_PROGRESS
     unanswered = _reserve("bea", key="bea-2")
     await _reserved(db, [unanswered])
     await db.orphan_reservation(unanswered.run_id)
@@ -230,6 +231,28 @@ async def test_a_failed_admit_keeps_its_key_taken_and_gives_its_credit_back(
         (unanswered.run_id, 0),
     ], "both left to the sweep, holding nothing"
     assert sum(r["cost"] for r in held) == 1, "the retry holds the one credit"
+    await check_invariants(database_url)
+
+
+async def test_a_reservation_sent_again_is_answered_again_and_holds_nothing_more(
+    db: Database, database_url: str
+) -> None:
+    """A batch of reservations repeated (its connection died after the commit, before the
+    answer): each click reserved the first time is answered reserved again, by its run id,
+    keyed or not, and holds its credit once; a click refused the first time is refused again."""
+    await db.grant_credits("cy", 2)
+    clicks = [_reserve("cy", key="cy-1"), _reserve("cy"), _reserve("cy")]
+    first = await db.reserve_many(clicks)
+    again = await db.reserve_many(clicks)
+    expected = [
+        ReservationOutcome.RESERVED,
+        ReservationOutcome.RESERVED,
+        ReservationOutcome.INSUFFICIENT_CREDITS,
+    ]
+    assert [first[c].outcome for c in clicks] == expected
+    assert [again[c].outcome for c in clicks] == expected
+    assert await db.credits("cy") == (2, 2)
+    assert await fetchval(database_url, "SELECT count(*) FROM core_run_reservations") == 2
     await check_invariants(database_url)
 
 

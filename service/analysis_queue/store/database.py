@@ -58,6 +58,30 @@ from analysis_queue.store.sqlfiles import queries
 
 log = logging.getLogger(__name__)
 
+# The named queries (sql/queries.sql) that may be sent again when the connection died under
+# them, their outcome unknown: reads, and writes whose repetition changes nothing (a
+# reservation is answered again by its run id; a hold released, a key freed, once).
+SAFE_TO_REPEAT = frozenset(
+    {
+        "reserve",
+        "reservation_release_hold",
+        "reservation_orphan",
+        "capacity",
+        "user_limit_get",
+        "credit_balance",
+        "job_open_counts",
+        "job_get",
+        "job_list_page",
+        "job_for_recheck",
+        "job_event_head",
+        "job_event_page",
+        "job_queue_positions",
+        "sweep_users_to_promote",
+        "sweep_pending_due",
+        "sweep_running_quiet",
+    }
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
@@ -233,14 +257,23 @@ class Database:
                 yield conn
 
     async def _fetchrow(self, name: str, *args: Any) -> Any:
-        async with self._connection() as conn:
-            with wrap_errors():
-                return await conn.fetchrow(self._q[name], *args)
+        rows = await self._fetch(name, *args)
+        return rows[0] if rows else None
 
     async def _fetch(self, name: str, *args: Any) -> list[Any]:
-        async with self._connection() as conn:
-            with wrap_errors():
-                return list(await conn.fetch(self._q[name], *args))
+        """The rows of query ``name``. One whose connection died under it is sent once more,
+        on another connection, when it is in ``SAFE_TO_REPEAT``: a terminated backend then
+        costs no request."""
+        for attempt in (1, 2):
+            try:
+                async with self._connection() as conn:
+                    with wrap_errors():
+                        return list(await conn.fetch(self._q[name], *args))
+            except errors.DatabaseUnavailable as exc:
+                if attempt == 2 or not exc.connection_lost or name not in SAFE_TO_REPEAT:
+                    raise
+                log.info("connection lost under a statement; once more", extra={"query": name})
+        raise AssertionError("unreachable")
 
     async def _execute(self, name: str, *args: Any) -> str:
         async with self._connection() as conn:

@@ -48,6 +48,17 @@ _UNAVAILABLE = (
     asyncpg.QueryCanceledError,
 )
 
+# The connection died under the statement, or the pool handed out one that had: another
+# connection may well succeed at once.
+_LOST = (
+    ConnectionResetError,
+    BrokenPipeError,
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.AdminShutdownError,  # pg_terminate_backend, a restarting server
+    asyncpg.InterfaceError,  # "connection is closed"
+    asyncpg.InternalClientError,  # "cannot switch to state 12": terminated mid-query
+)
+
 
 @contextlib.contextmanager
 def wrap_errors() -> Iterator[None]:
@@ -62,7 +73,10 @@ def wrap_errors() -> Iterator[None]:
             raise errors.CoreUnavailable("The admission timed out; try again.") from exc
         if isinstance(exc, _UNAVAILABLE):
             unavailable = errors.DatabaseUnavailable()
-            unavailable.nothing_written = True  # the server answered: it rolled back
+            # The server answered with an error (its backend terminated included): it rolled
+            # back. A connection that failed under the statement leaves its outcome unknown.
+            unavailable.nothing_written = not isinstance(exc, asyncpg.PostgresConnectionError)
+            unavailable.connection_lost = isinstance(exc, _LOST)
             raise unavailable from exc
         raise
     except _UNAVAILABLE as exc:
@@ -70,7 +84,9 @@ def wrap_errors() -> Iterator[None]:
             # Seen after a backend is terminated mid-query, but also what a client-side bug
             # looks like: keep the evidence.
             log.warning("driver internal error", exc_info=exc)
-        raise errors.DatabaseUnavailable() from exc
+        unavailable = errors.DatabaseUnavailable()
+        unavailable.connection_lost = isinstance(exc, _LOST)
+        raise unavailable from exc
 
 
 def _json_default(value: Any) -> str:
