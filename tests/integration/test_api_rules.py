@@ -219,6 +219,32 @@ async def test_no_credit_is_refused_before_core_is_asked(harness: Harness) -> No
     await check_invariants(h.database_url)
 
 
+@pytest.mark.parametrize("credits", [1, 10])
+async def test_a_burst_of_clicks_asks_core_only_for_what_was_paid(
+    harness: Harness, credits: int
+) -> None:
+    """50 concurrent clicks of one user across two instances: each click's credit is held
+    before Core is asked, and the clicks see each other's holds, so Core creates exactly as
+    many held runs as there are credits: every other click is a 402 without a Core call."""
+    h = harness
+    instances = [await _quiet_instance(h), await _quiet_instance(h)]
+    await h.grant("burst", credits)
+    answers = await asyncio.gather(
+        *(h.admit("burst", n, instance=instances[n % 2]) for n in range(50))
+    )
+    statuses = sorted(status for status, _ in answers)
+    assert statuses == [201] * credits + [402] * (50 - credits), statuses
+    assert len(h.sim.runs_snapshot()) == credits, "a held run per paid click, no more"
+    balance, ledger = await _money(h, "burst")
+    admitted = {uuid.UUID(answer["id"]) for status, answer in answers if status == 201}
+    assert balance == 0
+    assert sorted(ledger, key=str) == sorted(
+        [("grant", credits, None)] + [("debit", 1, job_id) for job_id in admitted], key=str
+    ), "one debit per admitted click, nothing else"
+    assert await _count(h, "SELECT count(*) FROM core_run_reservations") == 0
+    await check_invariants(h.database_url)
+
+
 def _too_many_sources() -> dict[str, Any]:
     return thesis_body(1, sources=201)
 
