@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -261,24 +261,29 @@ class Database:
         return rows[0] if rows else None
 
     async def _fetch(self, name: str, *args: Any) -> list[Any]:
-        """The rows of query ``name``. One whose connection died under it is sent once more,
-        on another connection, when it is in ``SAFE_TO_REPEAT``: a terminated backend then
-        costs no request."""
+        return list(await self._send(name, lambda conn: conn.fetch(self._q[name], *args)))
+
+    async def _execute(self, name: str, *args: Any) -> str:
+        return str(await self._send(name, lambda conn: conn.execute(self._q[name], *args)))
+
+    async def _send(
+        self,
+        name: str,
+        statement: Callable[[asyncpg.pool.PoolConnectionProxy[Any]], Awaitable[Any]],
+    ) -> Any:
+        """Query ``name`` on a pooled connection. One whose connection died under it is sent
+        once more, on another connection, when it is in ``SAFE_TO_REPEAT``: a terminated backend
+        then costs no request."""
         for attempt in (1, 2):
             try:
                 async with self._connection() as conn:
                     with wrap_errors():
-                        return list(await conn.fetch(self._q[name], *args))
+                        return await statement(conn)
             except errors.DatabaseUnavailable as exc:
                 if attempt == 2 or not exc.connection_lost or name not in SAFE_TO_REPEAT:
                     raise
                 log.info("connection lost under a statement; once more", extra={"query": name})
         raise AssertionError("unreachable")
-
-    async def _execute(self, name: str, *args: Any) -> str:
-        async with self._connection() as conn:
-            with wrap_errors():
-                return await conn.execute(self._q[name], *args)
 
     async def ping(self) -> None:
         """Whether the database answers, on a connection of its own: readiness must not wait
