@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -29,7 +30,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from analysis_queue.config import env_name
-from support import fetch, free_port
+from support import database_name, fetch, free_port
 
 DIRECT = "direct"
 PGBOUNCER = "pgbouncer"
@@ -38,6 +39,7 @@ ROUTES = [DIRECT, PGBOUNCER]
 POOL_SIZE = 4  # server connections per database: two instances' pools (2..10 each) share them
 START_TIMEOUT_S = 10.0
 # Runs as root would be refused ("PgBouncer should not run as root"); it reads its files first.
+# In front of a server reached by its socket, it runs as the socket directory's owner instead.
 UNPRIVILEGED_USER = "nobody"
 
 
@@ -71,6 +73,17 @@ class Server:
         self.user = parts.username or "postgres"
 
     @property
+    def socket_owner(self) -> str | None:
+        """The OS user owning the server's socket directory (the embedded server's data
+        directory, mode 0700), when it is reached by a socket: the one user that can reach it."""
+        if not self.host.startswith("/"):
+            return None
+        try:
+            return pwd.getpwuid(os.stat(self.host).st_uid).pw_name
+        except (OSError, KeyError):
+            return None
+
+    @property
     def key(self) -> tuple[str, int, str]:
         return self.host, self.port, self.user
 
@@ -82,7 +95,8 @@ class PgBouncer:
         self.root = root
         self.server = server
         self.port = free_port()
-        self.os_user = os_user or UNPRIVILEGED_USER
+        owner = server.socket_owner
+        self.os_user = os_user or (owner if owner not in (None, "root") else UNPRIVILEGED_USER)
         self.ini = root / "pgbouncer.ini"
         self.log = root / "pgbouncer.log"
         self._popen: subprocess.Popen[bytes] | None = None
@@ -161,7 +175,7 @@ class PgBouncer:
 
     def url(self, dsn: str) -> str:
         """``dsn``'s database, through this PgBouncer."""
-        dbname = urlsplit(dsn).path.lstrip("/") or self.server.user
+        dbname = database_name(dsn) or self.server.user
         return f"postgresql://{self.server.user}@127.0.0.1:{self.port}/{dbname}"
 
     async def show(self, what: str) -> list[dict[str, str]]:
@@ -195,7 +209,8 @@ class Route:
 
     def bouncer(self, dsn: str, os_user: str | None = None) -> PgBouncer:
         """The PgBouncer in front of ``dsn``'s server, started on first use. ``os_user``: the
-        user it runs as when the tests run as root (one that can reach the server's socket)."""
+        user it runs as when the tests run as root (by default the owner of the server's socket
+        directory when it is reached by one, else an unprivileged user)."""
         server = Server(dsn)
         if server.key not in self._bouncers:
             bouncer = PgBouncer(self.root / f"pgbouncer-{len(self._bouncers)}", server, os_user)
@@ -234,7 +249,7 @@ class Route:
         if not self.pooled:
             return seen
         bouncer = self.bouncer(dsn)
-        dbname = urlsplit(dsn).path.lstrip("/")
+        dbname = database_name(dsn)
         servers = {int(s["remote_pid"]) for s in await bouncer.show("SERVERS")}
         clients = [c for c in await bouncer.show("CLIENTS") if c["database"] == dbname]
         assert listen.isdisjoint(servers), f"a listener goes through PgBouncer: {listen & servers}"

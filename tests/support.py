@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
@@ -59,6 +60,15 @@ def make_job(**overrides: Any) -> Job:
     }
     values.update(overrides)
     return Job(**values)
+
+
+def with_database(dsn: str, dbname: str) -> str:
+    """``dsn`` with its database replaced, its host kept (a socket directory in the query too)."""
+    return urlunsplit(urlsplit(dsn)._replace(path="/" + dbname))
+
+
+def database_name(dsn: str) -> str:
+    return urlsplit(dsn).path.lstrip("/")
 
 
 def free_port() -> int:

@@ -193,9 +193,9 @@ class Cluster:
         self.db = db
         self.dsn = db.dsn  # the test's own queries: always direct
         self.route = route
-        # The private server's socket is its OS user's: a PgBouncer in front of it runs as that.
-        os_user = db.private.user if db.private is not None else None
-        self.db_env = route.env(db.dsn, os_user)
+        # The private server's socket is its OS user's: a PgBouncer in front of it runs as that
+        # (tests/bouncer.py finds the owner of the socket directory).
+        self.db_env = route.env(db.dsn)
         self.tmp = tmp
         self.http = http
         self.nodes = [Node("a", free_port()), Node("b", free_port())]

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote
 
 import asyncpg
 import jwt
@@ -38,6 +38,7 @@ from support import (
     fetch,
     fetchval,
     thesis_body,
+    with_database,
 )
 
 PROBLEM_JSON = "application/problem+json"
@@ -458,10 +459,6 @@ async def _admin(dsn: str, sql: str) -> None:
         await conn.execute(sql)
     finally:
         await conn.close()
-
-
-def with_database(dsn: str, dbname: str) -> str:
-    return urlunsplit(urlsplit(dsn)._replace(path="/" + dbname))
 
 
 async def _ready_instance(h: Harness) -> Instance:

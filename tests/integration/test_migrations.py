@@ -20,7 +20,7 @@ import asyncpg
 import pytest
 from analysis_queue.store.migrate import DatabaseTooOld, apply_migrations
 from analysis_queue.store.sqlfiles import migrations, repeatables
-from support import check_invariants
+from support import check_invariants, database_name, with_database
 
 RELEASE_0_1 = Path(__file__).resolve().parents[1] / "fixtures" / "release_0011"
 THESIS = '{"title": "On locks", "document_url": "https://uni.example/locks.pdf"}'
@@ -136,9 +136,9 @@ async def test_a_fresh_install_and_an_upgrade_end_in_the_same_catalog(
     fresh = empty_database
     assert await apply_migrations(fresh) == [m.version for m in migrations()]
 
-    upgraded = database_url.rsplit("/", 1)[0] + f"/aq_up_{uuid.uuid4().hex[:12]}"
+    upgraded = with_database(database_url, f"aq_up_{uuid.uuid4().hex[:12]}")
     admin = await asyncpg.connect(pg_server)
-    await admin.execute(f"CREATE DATABASE {upgraded.rsplit('/', 1)[1]}")
+    await admin.execute(f"CREATE DATABASE {database_name(upgraded)}")
     try:
         await _install_0_1(upgraded)
         before = await _fetch(upgraded, CATALOG["functions"])
@@ -168,7 +168,7 @@ async def test_a_fresh_install_and_an_upgrade_end_in_the_same_catalog(
         assert {"aq_admit_v1", "aq_finish_v1", "aq_promote_v2"} <= names_before & names_after
         assert {name for name, *_ in a["repeatables"]} == {r.name for r in repeatables()}
     finally:
-        await admin.execute(f"DROP DATABASE IF EXISTS {upgraded.rsplit('/', 1)[1]} WITH (FORCE)")
+        await admin.execute(f"DROP DATABASE IF EXISTS {database_name(upgraded)} WITH (FORCE)")
         await admin.close()
 
 

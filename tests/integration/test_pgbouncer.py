@@ -23,7 +23,7 @@ from analysis_queue.store.database import Database
 from analysis_queue.store.driver import StartupParametersRefused
 from analysis_queue.store.listen import ListenConnection
 from bouncer import PGBOUNCER, POOL_SIZE, ROUTES, Route
-from support import Harness, wait_until_blocked
+from support import Harness, database_name, wait_until_blocked
 
 through_pgbouncer = pytest.mark.parametrize("db_route", [PGBOUNCER], indirect=True)
 
@@ -67,7 +67,7 @@ async def test_unnamed_statements_stay_on_one_server_while_clients_share_them(
             assert (capacity.ceiling, capacity.active) == (None, 0)
 
     await asyncio.gather(*(one(i, users[i // 4]) for i in range(CALLS)))
-    dbname = database_url.rsplit("/", 1)[1]
+    dbname = database_name(database_url)
     servers = await db_route.bouncer(database_url).show("SERVERS")
     assert 1 <= len([s for s in servers if s["database"] == dbname]) <= POOL_SIZE < CLIENTS
     assert pooled.backend_pids == set(), "no server process is a pooled connection's own"
