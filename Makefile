@@ -50,8 +50,8 @@ demo: install  ## the write-up's scenario, printed (beside `make run` too)
 test: install-dev  ## the whole suite (unit, integration, acceptance)
 	$(BIN)/pytest
 
-test-fast: install-dev
-	$(BIN)/pytest tests/unit tests/integration -x -q
+test-fast: install-dev  ## a developer's loop: unit and integration tests, without the slow runs
+	$(BIN)/pytest tests/unit tests/integration -m "not slow" -x -q
 
 # pyproject's lower bounds are claims; this installs what the tests run on (the `test` extra;
 # not `tools`, whose asyncpg-stubs would lift asyncpg to its own minor) at the lowest version

@@ -37,7 +37,7 @@ from analysis_queue.http.auth import mint_token
 from procs import SECRETS, SERVICE_ENV, Node, Proc, base_env, cli
 from support import assert_within_limits, check_invariants, fetch, fetchval, free_port, thesis_body
 
-pytestmark = pytest.mark.acceptance
+pytestmark = [pytest.mark.acceptance, pytest.mark.slow]
 
 CEILING = 5
 USERS = [f"stress-user-{i:02d}" for i in range(30)]

@@ -60,7 +60,7 @@ from procs import (
 )
 from support import assert_fifo_serial, check_invariants, fetch, fetchval, free_port, thesis_body
 
-pytestmark = pytest.mark.acceptance
+pytestmark = [pytest.mark.acceptance, pytest.mark.slow]
 
 USERS = [f"fault-user-{i}" for i in range(8)]
 GRANT = 100_000

@@ -214,6 +214,7 @@ async def test_served_document_is_the_generated_one(harness: Harness) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 async def test_schemathesis_finds_no_server_error_or_schema_mismatch(harness: Harness) -> None:
     h = harness
     instance = await _ready(h)
