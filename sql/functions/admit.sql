@@ -111,8 +111,10 @@ $$;
 
 -- Admit the clicks whose held runs Core made, under the decision's locks (aq_lock_decision_v1):
 -- per click, in item order, its reservation must still be held ('reservation_gone': the sweep
--- reclaimed it) and its user's balance, less what the earlier clicks debited, cover its cost
--- ('insufficient_credits': a hold the previous release did not make); then every admitted job
+-- reclaimed it; 'repeated', with its job, when this same call had committed and is sent again
+-- after its connection died, store/database.py SAFE_TO_REPEAT) and its user's balance, less
+-- what the earlier clicks debited, cover its cost ('insufficient_credits': a hold the previous
+-- release did not make); then every admitted job
 -- is placed at once (aq_place_locked_v1), and each table is written once for the batch. The
 -- jobs that start (the admitted and any the placement promoted) are claimed for p_instance,
 -- which releases them. One row per item; promoted (others' jobs) and asks_pass (capacity left
@@ -131,6 +133,7 @@ DECLARE
     v_jobs analysis_jobs[] := '{}';
     v_positions bigint[];
     v_first integer;
+    v_item integer;
 BEGIN
     SELECT * INTO v_lock FROM aq_lock_decision_v1(
         ARRAY(SELECT x.user_id FROM jsonb_to_recordset(p_items) x(user_id text)), '{}');
@@ -172,12 +175,8 @@ BEGIN
          WHERE x.c > 0;
         -- Counted under the locks, so each answer carries its true position.
         v_positions := ARRAY(
-            SELECT CASE WHEN j.status = 'queued' AND aq_first_pass_v1(j.delta_of_job_id) THEN
-                       (SELECT count(*) FROM analysis_jobs q
-                         WHERE q.user_id = j.user_id AND q.status = 'queued'
-                           AND aq_first_pass_v1(q.delta_of_job_id)
-                           AND q.queue_seq <= j.queue_seq) END
-              FROM unnest(v_jobs) WITH ORDINALITY AS j ORDER BY j.ordinality);
+            SELECT aq_queue_position_v1(v_jobs[i]) FROM generate_subscripts(v_jobs, 1) i
+             ORDER BY i);
         v_jobs := aq_claim_started_v1(v_jobs, p_instance, p_lease_s);
     END IF;
     v_place.promoted := aq_claim_started_v1(v_place.promoted, p_instance, p_lease_s);
@@ -187,6 +186,12 @@ BEGIN
         outcome := v_checked.outcomes[i];
         job := v_jobs[array_position(v_checked.items, item)];
         queue_position := v_positions[array_position(v_checked.items, item)];
+        IF outcome = 'repeated' THEN
+            v_item := item;
+            job := (SELECT j FROM jsonb_to_recordset(p_items) x(item integer, job_id uuid)
+                      JOIN analysis_jobs j ON j.id = x.job_id WHERE x.item = v_item);
+            queue_position := aq_queue_position_v1(job);
+        END IF;
         promoted := CASE WHEN item = v_first THEN v_place.promoted ELSE '{}' END;
         asks_pass := item = v_first AND v_place.asks_pass;
         RETURN NEXT;
@@ -229,7 +234,12 @@ BEGIN
         all_items := all_items || r.item;
         d := array_position(v_users, r.user_id);
         IF NOT r.run_id = ANY (v_held) THEN
-            outcomes := outcomes || 'reservation_gone'::text;
+            -- Gone because this very admit committed (its answer lost with its connection):
+            -- the call is being repeated, and the click is answered with its job.
+            outcomes := outcomes || CASE
+                WHEN EXISTS (SELECT 1 FROM analysis_jobs j
+                              WHERE j.id = r.job_id AND j.run_id = r.run_id)
+                THEN 'repeated' ELSE 'reservation_gone' END;
         ELSIF r.cost > 0 AND v_balance[d] < r.cost THEN
             outcomes := outcomes || 'insufficient_credits'::text;
         ELSE

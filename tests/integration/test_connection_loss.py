@@ -6,9 +6,44 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import asyncpg
-from support import Harness
+from support import Harness, check_invariants
+
+
+async def _cut_under(
+    h: Harness, app_name: str, load: Callable[[asyncio.Event], Awaitable[None]], query: str
+) -> int:
+    """Run ``load`` until twelve running statements of the pool ``app_name`` whose text is
+    like ``query`` were terminated, one at a time and well apart, so that a request's second
+    try lands between two; how many were."""
+    stop = asyncio.Event()
+    killer_conn = await asyncpg.connect(h.database_url)
+    terminated = 0
+    running = asyncio.create_task(load(stop))
+    try:
+        for _ in range(12):
+            await asyncio.sleep(0.3)
+            for _ in range(2000):  # until one statement is caught running (a few seconds)
+                cut = await killer_conn.fetchval(
+                    """SELECT count(pg_terminate_backend(pid)) FROM (
+                           SELECT pid FROM pg_stat_activity
+                            WHERE datname = current_database() AND application_name = $1
+                              AND state = 'active' AND pid <> pg_backend_pid()
+                              AND query LIKE $2
+                            LIMIT 1) s""",
+                    app_name,
+                    query,
+                )
+                if cut:
+                    terminated += cut
+                    break
+    finally:
+        stop.set()
+        await running
+        await killer_conn.close()
+    return terminated
 
 
 async def test_backends_terminated_under_reads_and_reservations_cost_no_request(
@@ -19,15 +54,13 @@ async def test_backends_terminated_under_reads_and_reservations_cost_no_request(
     cut under requests."""
     h = harness
     instance = await h.start_instance()
-    app_name = instance.services.db.application_name
     users = [f"reader-{n}" for n in range(8)]
     for user in users:
         await h.grant(user, 5)
         assert (await h.admit(user, 1))[0] == 201
     statuses: Counter[int] = Counter()
-    stop = asyncio.Event()
 
-    async def reader(user: str) -> None:
+    async def reader(user: str, stop: asyncio.Event) -> None:
         paths = ["/v1/credits", "/v1/analyses", "/v1/analyses?limit=1"]
         n = 0
         while not stop.is_set():
@@ -37,30 +70,54 @@ async def test_backends_terminated_under_reads_and_reservations_cost_no_request(
                 await r.read()
                 statuses[r.status] += 1
 
-    killer_conn = await asyncpg.connect(h.database_url)
-    terminated = 0
-    try:
-        readers = [asyncio.create_task(reader(u)) for u in users for _ in range(3)]
-        # One backend at a time, well apart: a request's second try lands between two.
-        for _ in range(12):
-            await asyncio.sleep(0.4)
-            for _ in range(500):  # until one statement is caught running (about a second)
-                cut = await killer_conn.fetchval(
-                    """SELECT count(pg_terminate_backend(pid)) FROM (
-                           SELECT pid FROM pg_stat_activity
-                            WHERE datname = current_database() AND application_name = $1
-                              AND state = 'active' AND pid <> pg_backend_pid()
-                            LIMIT 1) s""",
-                    app_name,
-                )
-                if cut:
-                    terminated += cut
-                    break
-        stop.set()
-        await asyncio.gather(*readers)
-    finally:
-        stop.set()
-        await killer_conn.close()
+    async def readers(stop: asyncio.Event) -> None:
+        await asyncio.gather(*(reader(u, stop) for u in users for _ in range(3)))
+
+    terminated = await _cut_under(h, instance.services.db.application_name, readers, "%")
     assert terminated >= 8, f"only {terminated} statements were cut: the test proved nothing"
     assert sum(statuses.values()) > 100
     assert set(statuses) == {200}, (statuses, terminated)
+
+
+async def test_backends_terminated_under_admits_cost_no_click(harness: Harness) -> None:
+    """Users click while, twelve times, an admit of the instance's pool is terminated as it
+    runs: no click is a 5xx, every 201 names a job that exists once, debited once, and the
+    ledger holds. An admit cut before its commit is sent again and admits; one cut after it
+    finds its own jobs and answers with them ('repeated', sql/functions/admit.sql)."""
+    h = harness
+    instance = await h.start_instance()
+    users = [f"clicker-{n}" for n in range(6)]
+    for user in users:
+        await h.grant(user, 1000)
+    statuses: Counter[int] = Counter()
+    admitted: list[str] = []
+
+    async def clicker(user: str, stop: asyncio.Event) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            status, body = await h.admit(user, n, headers={})
+            statuses[status] += 1
+            if status == 201:
+                admitted.append(body["id"])
+
+    async def clickers(stop: asyncio.Event) -> None:
+        await asyncio.gather(*(clicker(u, stop) for u in users for _ in range(2)))
+
+    terminated = await _cut_under(
+        h, instance.services.db.application_name, clickers, "%aq_admit_v3%"
+    )
+    assert terminated >= 8, f"only {terminated} admits were cut: the test proved nothing"
+    assert set(statuses) == {201}, (statuses, terminated)
+    assert len(admitted) == len(set(admitted)) > 50
+    conn = await asyncpg.connect(h.database_url)
+    try:
+        jobs = await conn.fetchval("SELECT count(*) FROM analysis_jobs")
+        debits = await conn.fetchval(
+            "SELECT count(*) FROM credit_ledger WHERE kind = 'debit' AND job_id::text = ANY($1)",
+            admitted,
+        )
+    finally:
+        await conn.close()
+    assert jobs == len(admitted) == debits
+    await check_invariants(h.database_url)

@@ -173,6 +173,41 @@ async def test_a_refusal_in_a_batch_rolls_back_nothing_of_its_neighbours(
     await check_invariants(database_url)
 
 
+async def test_an_admit_sent_again_after_it_committed_answers_with_its_jobs(
+    db: Database, database_url: str
+) -> None:
+    """The connection died under a batch of admits after its commit, so it is sent again
+    (SAFE_TO_REPEAT): every click is answered with the job it made, where it stands now, and
+    nothing is admitted, debited or placed twice."""
+    await db.grant_credits("alice", 3)
+    await db.grant_credits("bob", 1)
+    clicks = [_reserve("alice"), _reserve("bob"), _reserve("alice"), _reserve("alice")]
+    await _reserved(db, clicks)
+    requests = [_admit(c) for c in clicks]
+    first = await db.admit_many(requests)
+    again = await db.admit_many(requests)
+    assert [again[r].outcome for r in requests] == [BatchOutcome.DONE] * 4
+    made = [first[r].result.job for r in requests]
+    answered = [again[r].result.job for r in requests]
+    assert [j.id for j in answered] == [j.id for j in made]
+    assert [(j.status, j.queue_position) for j in answered] == [
+        (JobStatus.PENDING, None),
+        (JobStatus.PENDING, None),
+        (JobStatus.QUEUED, 1),
+        (JobStatus.QUEUED, 2),
+    ]
+    assert all(again[r].result.promoted == () for r in requests)
+    assert await fetchval(database_url, "SELECT count(*) FROM analysis_jobs") == 4
+    assert (
+        await fetchval(database_url, "SELECT count(*) FROM credit_ledger WHERE kind = 'debit'") == 4
+    )
+    assert await db.balance("alice") == 0 and await db.balance("bob") == 0
+    # A click whose reservation the sweep reclaimed, and that made no job, is still refused.
+    gone = _admit(_reserve("alice"))
+    assert (await db.admit_many([gone]))[gone].outcome is BatchOutcome.RESERVATION_GONE
+    await check_invariants(database_url)
+
+
 async def test_concurrent_clicks_see_each_others_holds_and_a_released_hold_frees_its_credit(
     db: Database, database_url: str
 ) -> None:

@@ -60,10 +60,12 @@ log = logging.getLogger(__name__)
 
 # The named queries (sql/queries.sql) that may be sent again when the connection died under
 # them, their outcome unknown: reads, and writes whose repetition changes nothing (a
-# reservation is answered again by its run id; a hold released, a key freed, once).
+# reservation is answered again by its run id; a hold released, a key freed, once; an admit
+# that did commit finds its reservations gone and its jobs made, and answers 'repeated').
 SAFE_TO_REPEAT = frozenset(
     {
         "reserve",
+        "admit",
         "reservation_release_hold",
         "reservation_orphan",
         "capacity",
@@ -351,7 +353,9 @@ class Database:
         """The admits of a group commit, in one transaction and one notifying commit
         (``aq_admit_v3``), each decided in order: DONE with its admission,
         INSUFFICIENT_CREDITS or RESERVATION_GONE. The jobs they start come back claimed for
-        ``claim``'s instance."""
+        ``claim``'s instance. Sent again after its connection died, a batch that had
+        committed answers each click DONE with the job it made ('repeated'); what it had
+        promoted for others is left to the sweep, their claims lapsing."""
         items = [
             {
                 "item": n,
@@ -377,6 +381,8 @@ class Database:
                     Job.from_row(row), _jobs(row["promoted"]), bool(row["asks_pass"])
                 )
                 out[request] = Batched(BatchOutcome.DONE, admission)
+            elif row["outcome"] == "repeated":
+                out[request] = Batched(BatchOutcome.DONE, Admission(Job.from_row(row), (), False))
             else:
                 out[request] = Batched(BatchOutcome(row["outcome"]))
         return out
