@@ -269,6 +269,30 @@ async def test_a_failed_admit_keeps_its_key_taken_and_gives_its_credit_back(
     await check_invariants(database_url)
 
 
+async def test_the_sweep_releases_the_hold_of_a_stale_reservation_exactly_once(
+    db: Database, database_url: str
+) -> None:
+    """An admit that died left its reservation holding the user's only credit: the sweep's
+    take releases it, and the reservation it puts back (Core could not be told to cancel)
+    holds nothing, so the credit is not released twice while the sweep keeps trying."""
+    await db.grant_credits("cai", 1)
+    stale = _reserve("cai")
+    await _reserved(db, [stale])
+    assert await db.credits("cai") == (1, 1)
+    taken = await db.take_stale_reservations(0, 10)
+    assert [r.run_id for r in taken] == [stale.run_id]
+    assert await db.credits("cai") == (1, 0), "the hold released with the reservation"
+    paid = _reserve("cai")
+    await _reserved(db, [paid])  # the freed credit pays the next click
+    await db.put_back_reservation(taken[0])
+    assert await db.credits("cai") == (1, 1), "the one credit held once, by the new click"
+    assert (await db.reserve(_reserve("cai"))).outcome is ReservationOutcome.INSUFFICIENT_CREDITS
+    again = await db.take_stale_reservations(0, 10)
+    assert {r.run_id for r in again} == {stale.run_id, paid.run_id}
+    assert await db.credits("cai") == (1, 0)
+    await check_invariants(database_url)
+
+
 async def test_a_reservation_sent_again_is_answered_again_and_holds_nothing_more(
     db: Database, database_url: str
 ) -> None:
