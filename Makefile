@@ -19,7 +19,7 @@ UV_COMPILE := $(UV) pip compile --quiet --universal --all-extras --python-versio
 LOWEST_VENV ?= $(VENV)-lowest
 
 .PHONY: install install-dev run demo test test-fast test-lowest lint format typecheck check \
-	constraints constraints-upgrade constraints-check clean bench
+	constraints constraints-upgrade constraints-check clean bench schema
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -95,6 +95,9 @@ constraints-check: $(UV)  ## fails when constraints.txt is not what pyproject.to
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) dist build .mypy_cache .ruff_cache .pytest_cache
+
+schema: install-dev  ## rewrite sql/schema.sql from a fresh migrate (AQ_TEST_DATABASE_URL's server, else embedded)
+	$(BIN)/python -m analysis_queue.store.schema
 
 bench: install-dev  ## benchmarks (not tests): writes bench/results.json
 	$(BIN)/python bench/run.py

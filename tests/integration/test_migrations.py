@@ -19,6 +19,7 @@ from typing import Any
 import asyncpg
 import pytest
 from analysis_queue.store.migrate import DatabaseTooOld, apply_migrations
+from analysis_queue.store.schema import render, schema_file
 from analysis_queue.store.sqlfiles import migrations, repeatables
 from support import check_invariants, database_name, with_database
 
@@ -128,6 +129,20 @@ def test_the_previous_release_is_kept_as_it_was_released() -> None:
         "0010_plpgsql_slot_lookup.sql": "c2be5af331d9",
         "0011_batched_dispatch.sql": "b4be2c7e6447",
     }
+
+
+async def test_the_schema_file_is_what_a_fresh_migrate_makes(database_url: str) -> None:
+    """sql/schema.sql, the tables and indexes in the present tense, is the test database's
+    schema (a fresh migrate, the session's template) as ``render`` writes it: a migration
+    that lands without ``make schema`` fails here."""
+    c = await asyncpg.connect(database_url)
+    try:
+        rendered = await render(c)
+    finally:
+        await c.close()
+    assert "CREATE TABLE analysis_jobs (" in rendered
+    assert "CREATE UNIQUE INDEX analysis_jobs_user_slot ON" in rendered
+    assert rendered == schema_file().read_text(), "sql/schema.sql is stale: run make schema"
 
 
 async def test_a_fresh_install_and_an_upgrade_end_in_the_same_catalog(
