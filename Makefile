@@ -97,7 +97,7 @@ clean:
 	rm -rf $(VENV) $(LOWEST_VENV) dist build .mypy_cache .ruff_cache .pytest_cache
 
 schema: install-dev  ## rewrite sql/schema.sql from a fresh migrate (AQ_TEST_DATABASE_URL's server, else embedded)
-	$(BIN)/python -m analysis_queue.store.schema
+	$(BIN)/python -m analysis_queue.dev.schema_file
 
 bench: install-dev  ## benchmarks (not tests): writes bench/results.json
 	$(BIN)/python bench/run.py

@@ -85,7 +85,7 @@ def server_dsn(tmp: Path) -> str:
     dsn = os.environ.get("AQ_BENCH_DATABASE_URL") or os.environ.get("AQ_TEST_DATABASE_URL")
     if dsn:
         return dsn
-    from analysis_queue.store.embedded import start_embedded
+    from analysis_queue.dev.embedded import start_embedded
 
     return start_embedded(tmp / "pg", keep=False)
 

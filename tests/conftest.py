@@ -62,7 +62,7 @@ def _server() -> Iterator[str]:
         with PostgresContainer("postgres:16-alpine", driver=None) as pg:
             yield pg.get_connection_url()
         return
-    from analysis_queue.store.embedded import start_embedded
+    from analysis_queue.dev.embedded import start_embedded
 
     with tempfile.TemporaryDirectory(prefix="aq-test-pg-") as tmp:
         yield start_embedded(Path(tmp), keep=False)

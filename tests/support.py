@@ -22,7 +22,7 @@ from aiohttp import web
 from analysis_queue.app import build_app, start_site
 from analysis_queue.client import NO_RETRIES, AdminClient, AnalysisQueueClient, ProblemError
 from analysis_queue.config import Settings
-from analysis_queue.core.sim import CoreSimulator
+from analysis_queue.dev.core_sim import CoreSimulator
 from analysis_queue.http.auth import mint_token
 from analysis_queue.http.state import SERVICES, Services
 from analysis_queue.models import Job, JobStatus

@@ -30,7 +30,9 @@ from analysis_queue.config import (
     safe_dsn,
 )
 from analysis_queue.core.client import CoreClient
-from analysis_queue.core.sim import CoreSimulator
+from analysis_queue.dev.core_sim import CoreSimulator
+from analysis_queue.dev.embedded import EmbeddedUnavailable, start_embedded
+from analysis_queue.dev.sim_runs import PgRunStore
 from analysis_queue.http import dashboard, edge, events, openapi, problems
 from analysis_queue.http import routes as api
 from analysis_queue.http.auth import TokenCache
@@ -49,9 +51,7 @@ from analysis_queue.queue.followup import FollowUp, Trigger
 from analysis_queue.queue.promote import Promoter
 from analysis_queue.store.database import Claim, Database, Timeouts
 from analysis_queue.store.driver import StartupParametersRefused
-from analysis_queue.store.embedded import EmbeddedUnavailable, start_embedded
 from analysis_queue.store.migrate import apply_migrations
-from analysis_queue.store.sim_runs import PgRunStore
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ from analysis_queue.config import (
     safe_dsn,
     unknown_variables,
 )
+from analysis_queue.dev.sim_runs import PgRunStore
 from analysis_queue.http.auth import TOKEN_TTL_S, mint_token
 from analysis_queue.http.edge import raise_fd_limit
 from analysis_queue.store.migrate import MigrationError, apply_migrations
-from analysis_queue.store.sim_runs import PgRunStore
 
 log = logging.getLogger("analysis_queue")
 
@@ -214,7 +214,7 @@ def _grant(args: argparse.Namespace) -> int:
 
 
 def _core_sim(args: argparse.Namespace) -> int:
-    from analysis_queue.core.sim import run_standalone
+    from analysis_queue.dev.core_sim import run_standalone
 
     settings = _settings().with_generated_secrets()
     logs.configure(settings.log_level)

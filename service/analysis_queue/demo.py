@@ -31,8 +31,8 @@ from analysis_queue.client import (
     JobEvent,
 )
 from analysis_queue.config import SIMULATOR, Pooler, Settings
+from analysis_queue.dev.scratch import scratch_database
 from analysis_queue.http.auth import mint_token
-from analysis_queue.store.scratch import scratch_database
 
 WATCH_S = 60  # how long the demo waits for its analyses: this, and per analysis ...
 WATCH_PER_JOB_S = 10

@@ -981,7 +981,7 @@ class PrivatePg:
     @classmethod
     def start(cls) -> PrivatePg:
         """Start a fresh server; raises if it cannot start here (nothing is left behind)."""
-        from analysis_queue.store.embedded import start_embedded
+        from analysis_queue.dev.embedded import start_embedded
 
         root = Path(tempfile.mkdtemp(prefix="aq-faults-pg-"))
         try:

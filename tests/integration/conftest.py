@@ -5,7 +5,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from analysis_queue.core.sim import CoreSimulator
+from analysis_queue.dev.core_sim import CoreSimulator
 from bouncer import Route
 from support import CALLBACK_SECRET, Harness
 

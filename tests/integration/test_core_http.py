@@ -12,7 +12,7 @@ import orjson
 import pytest
 from aiohttp import ClientSession, web
 from analysis_queue.core.client import CoreClient, CoreRun, verify_callback
-from analysis_queue.core.sim import VERDICTS, CoreSimulator, verdict_for
+from analysis_queue.dev.core_sim import VERDICTS, CoreSimulator, verdict_for
 from analysis_queue.errors import (
     CoreRunGone,
     CoreUnavailable,

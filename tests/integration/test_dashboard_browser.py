@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from analysis_queue.core.sim import verdict_for
+from analysis_queue.dev.core_sim import verdict_for
 from analysis_queue.http.auth import mint_token
 from support import JWT_SECRET, Harness, fetchval, thesis_body
 

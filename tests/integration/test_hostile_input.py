@@ -27,7 +27,7 @@ import orjson
 import pytest
 import pytest_asyncio
 from aiohttp import ClientSession
-from analysis_queue.core.sim import CoreSimulator
+from analysis_queue.dev.core_sim import CoreSimulator
 from support import (
     ADMIN_TOKEN,
     CALLBACK_SECRET,

@@ -1,4 +1,4 @@
-"""The development simulator's run store (store/sim_runs.py) outlives its connection: a
+"""The development simulator's run store (dev/sim_runs.py) outlives its connection: a
 terminated backend or a database that is away for a while costs at most the writes made while
 it was away, and a restart finds every run written after it came back."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 from analysis_queue import errors
-from analysis_queue.store.sim_runs import RECONNECT_BACKOFF_MAX_S, PgRunStore
+from analysis_queue.dev.sim_runs import RECONNECT_BACKOFF_MAX_S, PgRunStore
 from support import fetchval
 
 APP = "aq-core-simulator"

@@ -1,6 +1,7 @@
 """The package's shape: imports point one way, from HTTP and the loops down to the queue's
-decisions and the database, with no cycle; only ``store`` talks to the database driver; the
-client is a layer of its own that imports nothing else of the package."""
+decisions and the database, with no cycle; only ``store`` (and the development stand-ins, with
+databases of their own) talks to the database driver; the client is a layer of its own that
+imports nothing else of the package; production code needs no development stand-in."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ LAYERS = [
     {"client"},
     {"errors", "models", "metrics", "logs", "config"},
     {"store", "core"},
+    {"dev"},  # the development stand-ins: only the composition root uses them
     {"queue"},
     {"loops"},
     {"http"},
@@ -120,7 +122,23 @@ def test_only_the_store_imports_the_database_driver() -> None:
             for node in ast.walk(ast.parse(path.read_text()))
         )
     )
-    assert users and all(name.startswith("store/") for name in users), users
+    assert users and all(name.startswith(("store/", "dev/")) for name in users), users
+    assert any(name.startswith("store/") for name in users)
+
+
+def test_production_code_needs_no_stand_in() -> None:
+    """``dev`` (the Core simulator, the embedded server, scratch databases) is for
+    ``analysis-queue dev``, the demo and the tests: the composition root wires it in, and the
+    app's typed state names the simulator it may hold; nothing else imports it."""
+    graph = _graph()
+    dev = {m for m in graph if m.split(".")[1:2] == ["dev"]}
+    assert "analysis_queue.dev.core_sim" in dev
+    users = sorted(
+        module
+        for module, targets in graph.items()
+        if module not in dev and targets & dev and _layer(module) != len(LAYERS) - 1
+    )
+    assert users == ["analysis_queue.http.state"]
 
 
 def test_the_client_stands_apart() -> None:

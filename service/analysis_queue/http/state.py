@@ -8,7 +8,7 @@ from aiohttp import web
 
 from analysis_queue.config import Settings
 from analysis_queue.core.client import CoreClient
-from analysis_queue.core.sim import CoreSimulator
+from analysis_queue.dev.core_sim import CoreSimulator
 from analysis_queue.http.auth import TokenCache
 from analysis_queue.http.edge import Edge
 from analysis_queue.http.scrape import DatabaseGauges

@@ -142,8 +142,8 @@ def test_every_function_trigger_and_view_is_defined_once_and_re_applies() -> Non
 
 def test_no_sql_outside_the_three_places() -> None:
     """SQL the service runs is in sql/migrations, sql/functions, sql/previous_release, triggers
-    or sql/queries.sql."""
-    places = {"migrations", "functions", "previous_release", "queries.sql"}
+    or sql/queries.sql; beside them sql/schema.sql, which only describes (nothing runs it)."""
+    places = {"migrations", "functions", "previous_release", "queries.sql", "schema.sql"}
     assert {p.name for p in sql_dir("sql").iterdir()} == places
     assert all(p.suffix == ".sql" for p in sql_dir("triggers").iterdir())
 

@@ -1,6 +1,6 @@
 """An honest Core simulator: the real Core HTTP contract, real sockets, injectable faults.
 
-Its runs live in memory, or, given a :class:`RunStore` (development: ``store/sim_runs.py``), in
+Its runs live in memory, or, given a :class:`RunStore` (development: ``dev/sim_runs.py``), in
 a database too, so that a restart finds every run it created: held runs can still be released,
 and runs that were judging go on judging for what was left of their time.
 """

@@ -46,7 +46,7 @@ RECONNECT_BACKOFF_MAX_S = 5.0
 
 
 class PgRunStore:
-    """The simulator's runs in PostgreSQL (``core/sim.RunStore``). Its one connection is opened
+    """The simulator's runs in PostgreSQL (``dev/core_sim.RunStore``). Its one connection is opened
     again when it dies (a terminated backend, a database restart)."""
 
     def __init__(self, dsn: str) -> None:
