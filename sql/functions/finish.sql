@@ -9,13 +9,11 @@
 -- nothing (aq_finish_v3 does). Each item names its job by job_id or core_run_id
 -- (user_id, when given, scopes it to that user); status NULL means "only soft-delete"; the move
 -- happens only from a status in "from"; ran: Core judged the run, so it started even if running
--- was never written (a fast callback can beat the releasing instance's update). A job changes
--- once per call: a later item about it sees the status the earlier one wrote and changes
--- nothing. The jobs are row-locked in id order first, which pins their status against writers
--- that take no user lock (claims); then one UPDATE writes every change, so the jobs table's
--- statement costs (indexes, CHECK constraints, the change trigger) are paid once per batch.
--- Returns, per item: the job after the call (NULL: no such job), its status before, whether the
--- item changed it, whether it refunded.
+-- was never written (a fast callback can beat the releasing instance's update). The jobs are
+-- row-locked in id order first, which pins their status against writers that take no user lock
+-- (claims); then what each item does is decided (aq_end_decisions_v1) and one UPDATE writes
+-- every change. Returns, per item: the job after the call (NULL: no such
+-- job), its status before, whether the item changed it, whether it refunded.
 -- p_items: [{"item": n, "job_id" | "core_run_id", "user_id", "status", "from", "delete",
 -- "error_code", "error_detail", "verdicts", "ran"}, ...].
 CREATE OR REPLACE FUNCTION aq_end_jobs_locked_v1(p_items jsonb)
@@ -23,33 +21,10 @@ RETURNS TABLE (item integer, job analysis_jobs, old_status text, changed boolean
                refunded boolean)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    r record;
-    -- The items' jobs as locked, and what the items before decided for each.
     v_jobs analysis_jobs[];
     v_ids uuid[];
-    v_runs text[];
-    v_users text[];
-    v_status text[];
-    v_deleted boolean[];
-    v_moved boolean[];
-    k integer;
-    -- Per item, in order.
-    i_item integer[] := '{}';
-    i_k integer[] := '{}';
-    i_old text[] := '{}';
-    i_changed boolean[] := '{}';
-    i_move boolean[] := '{}';
-    -- The writes, one per job changed: a move (with its columns) and/or a soft delete.
-    w_id uuid[] := '{}';
-    w_move boolean[] := '{}';
-    w_status text[] := '{}';
-    w_delete boolean[] := '{}';
-    w_code text[] := '{}';
-    w_detail text[] := '{}';
-    w_verdicts jsonb[] := '{}';
-    w_ran boolean[] := '{}';
-    v_after analysis_jobs[];
     v_job analysis_jobs;
+    d record;
 BEGIN
     SELECT array_agg(l.j ORDER BY (l.j).id) INTO v_jobs FROM (
         SELECT j FROM analysis_jobs j
@@ -60,59 +35,12 @@ BEGIN
                                            WHERE x.core_run_id IS NOT NULL))
          ORDER BY j.id
            FOR UPDATE OF j) l;
-    SELECT array_agg(x.id ORDER BY x.ordinality), array_agg(x.core_run_id ORDER BY x.ordinality),
-           array_agg(x.user_id ORDER BY x.ordinality), array_agg(x.status ORDER BY x.ordinality),
-           array_agg(x.deleted_at IS NOT NULL ORDER BY x.ordinality),
-           array_agg(false ORDER BY x.ordinality)
-      INTO v_ids, v_runs, v_users, v_status, v_deleted, v_moved
-      FROM unnest(v_jobs) WITH ORDINALITY AS x;
-
-    FOR r IN
-        SELECT * FROM jsonb_to_recordset(p_items) AS x(
-            item integer, job_id uuid, core_run_id text, user_id text, status text,
-            "from" text[], delete boolean, error_code text, error_detail text, verdicts jsonb,
-            ran boolean)
-        ORDER BY x.item
-    LOOP
-        k := coalesce(array_position(v_ids, r.job_id), array_position(v_runs, r.core_run_id));
-        IF r.user_id IS NOT NULL AND v_users[k] <> r.user_id THEN
-            k := NULL;
-        END IF;
-        i_item := i_item || r.item;
-        i_k := i_k || k;
-        i_old := i_old || v_status[k];
-        IF k IS NULL OR v_moved[k] THEN
-            i_changed := i_changed || false;
-            i_move := i_move || false;
-            CONTINUE;
-        END IF;
-        IF r.status IS NOT NULL AND v_status[k] = ANY (r."from") THEN
-            w_move := w_move || true;
-            w_status := w_status || r.status;
-            w_delete := w_delete || coalesce(r.delete, false);
-            v_status[k] := r.status;
-        ELSIF coalesce(r.delete, false) AND NOT v_deleted[k]
-              AND v_status[k] IN ('succeeded', 'failed', 'cancelled') THEN
-            w_move := w_move || false;
-            w_status := w_status || NULL::text;
-            w_delete := w_delete || true;
-        ELSE
-            i_changed := i_changed || false;
-            i_move := i_move || false;
-            CONTINUE;
-        END IF;
-        i_move := i_move || w_move[cardinality(w_move)];
-        v_moved[k] := true;
-        i_changed := i_changed || true;
-        w_id := w_id || v_ids[k];
-        w_code := w_code || r.error_code;
-        w_detail := w_detail || r.error_detail;
-        w_verdicts := w_verdicts || r.verdicts;
-        w_ran := w_ran || coalesce(r.ran, false);
-    END LOOP;
-
-    IF cardinality(w_id) > 0 THEN
-        WITH moved AS (
+    d := aq_end_decisions_v1(p_items, v_jobs);
+    -- One UPDATE writes every change: the table's statement costs (indexes, CHECKs, the change
+    -- trigger) are paid once per batch. A move clears the job's queue and claim state.
+    IF cardinality(d.w_id) > 0 THEN
+        v_ids := ARRAY(SELECT x.id FROM unnest(v_jobs) x);
+        FOR v_job IN
             UPDATE analysis_jobs j
                SET status = CASE WHEN w.move THEN w.status ELSE j.status END,
                    finished_at = CASE WHEN w.move THEN clock_timestamp() ELSE j.finished_at END,
@@ -130,26 +58,96 @@ BEGIN
                    claimed_by = CASE WHEN w.move THEN NULL ELSE j.claimed_by END,
                    claim_expires_at = CASE WHEN w.move THEN NULL ELSE j.claim_expires_at END,
                    next_release_at = CASE WHEN w.move THEN NULL ELSE j.next_release_at END
-              FROM unnest(w_id, w_move, w_status, w_delete, w_code, w_detail, w_verdicts, w_ran)
+              FROM unnest(d.w_id, d.w_move, d.w_status, d.w_delete, d.w_code, d.w_detail,
+                          d.w_verdicts, d.w_ran)
                    AS w(id, move, status, del, code, detail, verdicts, ran)
              WHERE j.id = w.id
-            RETURNING j)
-        SELECT array_agg(m.j) INTO v_after FROM moved m;
-        FOREACH v_job IN ARRAY v_after LOOP
+            RETURNING j.*
+        LOOP
             v_jobs[array_position(v_ids, v_job.id)] := v_job;
         END LOOP;
     END IF;
-
-    FOR i IN 1 .. cardinality(i_item) LOOP
-        item := i_item[i];
-        job := v_jobs[i_k[i]];
-        old_status := i_old[i];
-        changed := i_changed[i];
+    FOR i IN 1 .. cardinality(d.items) LOOP
+        item := d.items[i];
+        job := v_jobs[d.ks[i]];
+        old_status := d.olds[i];
+        changed := d.changes[i];
         refunded := false;
-        IF i_move[i] THEN  -- a soft delete alone refunds nothing
+        IF d.moves[i] THEN  -- a soft delete alone refunds nothing
             refunded := aq_refund_if_due_v1(job, old_status);
         END IF;
         RETURN NEXT;
+    END LOOP;
+END
+$$;
+
+-- What each item of p_items (as aq_end_jobs_locked_v1 takes them) does to p_jobs (locked, in
+-- id order), in item order: a job changes once per call, so a later item about it sees the
+-- status the earlier one wrote and changes nothing. Per item: the index of its job in p_jobs
+-- (ks; NULL: none, or another user's), its status before, whether the item changes it and
+-- whether it moves its status; and the writes, one per job changed (w_*).
+CREATE OR REPLACE FUNCTION aq_end_decisions_v1(
+    p_items jsonb, p_jobs analysis_jobs[],
+    OUT items integer[], OUT ks integer[], OUT olds text[], OUT changes boolean[],
+    OUT moves boolean[], OUT w_id uuid[], OUT w_move boolean[], OUT w_status text[],
+    OUT w_delete boolean[], OUT w_code text[], OUT w_detail text[], OUT w_verdicts jsonb[],
+    OUT w_ran boolean[])
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    r record;
+    v_ids uuid[] := ARRAY(SELECT x.id FROM unnest(p_jobs) x);
+    v_runs text[] := ARRAY(SELECT x.core_run_id FROM unnest(p_jobs) x);
+    v_status text[] := ARRAY(SELECT x.status FROM unnest(p_jobs) x);
+    v_moved uuid[] := '{}';
+    k integer;
+    j analysis_jobs;
+BEGIN
+    items := '{}'; ks := '{}'; olds := '{}'; changes := '{}'; moves := '{}'; w_id := '{}';
+    w_move := '{}'; w_status := '{}'; w_delete := '{}'; w_code := '{}'; w_detail := '{}';
+    w_verdicts := '{}'; w_ran := '{}';
+    FOR r IN
+        SELECT * FROM jsonb_to_recordset(p_items) AS x(
+            item integer, job_id uuid, core_run_id text, user_id text, status text,
+            "from" text[], delete boolean, error_code text, error_detail text, verdicts jsonb,
+            ran boolean)
+        ORDER BY x.item
+    LOOP
+        k := coalesce(array_position(v_ids, r.job_id), array_position(v_runs, r.core_run_id));
+        j := p_jobs[k];
+        IF r.user_id IS NOT NULL AND j.user_id <> r.user_id THEN
+            k := NULL;
+            j := NULL;
+        END IF;
+        items := items || r.item;
+        ks := ks || k;
+        olds := olds || v_status[k];
+        IF k IS NULL OR j.id = ANY (v_moved) THEN
+            changes := changes || false;
+            moves := moves || false;
+        ELSIF r.status IS NOT NULL AND v_status[k] = ANY (r."from") THEN
+            moves := moves || true;
+            w_status := w_status || r.status;
+            w_delete := w_delete || coalesce(r.delete, false);
+            v_status[k] := r.status;
+        ELSIF coalesce(r.delete, false) AND j.deleted_at IS NULL
+              AND v_status[k] IN ('succeeded', 'failed', 'cancelled') THEN
+            moves := moves || false;
+            w_status := w_status || NULL::text;
+            w_delete := w_delete || true;
+        ELSE
+            changes := changes || false;
+            moves := moves || false;
+        END IF;
+        IF cardinality(changes) < cardinality(items) THEN  -- the item changes its job
+            changes := changes || true;
+            w_move := w_move || moves[cardinality(moves)];
+            v_moved := v_moved || j.id;
+            w_id := w_id || j.id;
+            w_code := w_code || r.error_code;
+            w_detail := w_detail || r.error_detail;
+            w_verdicts := w_verdicts || r.verdicts;
+            w_ran := w_ran || coalesce(r.ran, false);
+        END IF;
     END LOOP;
 END
 $$;
