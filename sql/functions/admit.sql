@@ -109,7 +109,7 @@ BEGIN
 END
 $$;
 
--- Admit the clicks whose held runs Core made, under the decision's locks (aq_lock_decision_v1):
+-- Admit the clicks whose held runs Core made, under the decision's locks (aq_lock_decision_v2):
 -- per click, in item order, its reservation must still be held ('reservation_gone': the sweep
 -- reclaimed it; 'repeated', with its job, when this same call had committed and is sent again
 -- after its connection died, store/database.py SAFE_TO_REPEAT) and its user's balance, less
@@ -135,8 +135,9 @@ DECLARE
     v_first integer;
     v_item integer;
 BEGIN
-    SELECT * INTO v_lock FROM aq_lock_decision_v1(
-        ARRAY(SELECT x.user_id FROM jsonb_to_recordset(p_items) x(user_id text)), '{}');
+    SELECT * INTO v_lock FROM aq_lock_decision_v2(
+        ARRAY(SELECT x.user_id FROM jsonb_to_recordset(p_items) x(user_id text)),
+        aq_may_start_v1(p_items));
     SELECT * INTO v_checked FROM aq_admissible_locked_v1(p_items);
     SELECT * INTO v_place FROM aq_place_locked_v1(
         v_lock.users, v_lock.ceiling, v_lock.allocates, NULL,

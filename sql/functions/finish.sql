@@ -152,9 +152,11 @@ BEGIN
 END
 $$;
 
--- Finish a batch of jobs under the decision's locks (aq_lock_decision_v1) and fill what they
--- free with the one placement (aq_place_locked_v1, slots.sql): the users' next jobs, and with
--- the ceiling on the freed global slots go to whoever's turn it is. A report about a job that
+-- Finish a batch of jobs under the decision's locks (aq_lock_decision_v2) and fill what they
+-- free with the one placement (aq_place_locked_v1, slots.sql): the users' next jobs. With the
+-- ceiling on it holds G shared, as most decisions do, and gives out no global slot: their next
+-- jobs wait ready, and it asks for a pass, which gives the freed slots to whoever's turn it is
+-- (docs/locking.md). A report about a job that
 -- this placement just started (Core ended its held run before the release) is then applied in
 -- a round of its own, as it would have been after the report that freed the slot. The jobs
 -- started are claimed for p_instance, which releases them. One row per item: outcome
@@ -174,6 +176,7 @@ DECLARE
     v_ids uuid[];
     v_todo jsonb := p_items;
     v_ask boolean := false;
+    v_freed boolean := false;  -- a job left pending/running
     v_round integer := 0;
     -- The ends, one per item (the round that last applied it); the jobs started, by round.
     e_item integer[] := '{}';
@@ -193,8 +196,8 @@ BEGIN
                    (SELECT j.id FROM analysis_jobs j WHERE j.id = x.job_id),
                    (SELECT j.id FROM analysis_jobs j WHERE j.core_run_id = x.core_run_id))
           FROM jsonb_to_recordset(p_items) AS x(job_id uuid, core_run_id text));
-    SELECT * INTO v_lock FROM aq_lock_decision_v1(
-        ARRAY(SELECT j.user_id FROM analysis_jobs j WHERE j.id = ANY (v_ids)), v_ids);
+    SELECT * INTO v_lock FROM aq_lock_decision_v2(
+        ARRAY(SELECT j.user_id FROM analysis_jobs j WHERE j.id = ANY (v_ids)), false);
     WHILE v_todo IS NOT NULL LOOP
         v_round := v_round + 1;
         FOR e IN SELECT * FROM aq_end_jobs_locked_v1(v_todo) LOOP
@@ -205,12 +208,15 @@ BEGIN
             e_changed[k] := e.changed;
             e_refunded[k] := e.refunded;
             e_round[k] := v_round;
+            v_freed := v_freed OR (e.changed AND e.old_status IN ('pending', 'running'));
         END LOOP;
         SELECT * INTO v_place FROM aq_place_locked_v1(
             v_lock.users, v_lock.ceiling, v_lock.allocates, NULL, '{}', '{}', '{}');
         s_job := s_job || v_place.promoted;
         s_round := s_round || array_fill(v_round, ARRAY[cardinality(v_place.promoted)]);
-        v_ask := v_place.asks_pass;
+        -- With the ceiling on, a freed global slot is given out by a pass (G exclusive).
+        v_ask := v_place.asks_pass
+                 OR (v_lock.ceiling IS NOT NULL AND NOT v_lock.allocates AND v_freed);
         -- The items that found their job still queued, now started by this placement.
         v_todo := (SELECT jsonb_agg(t.e) FROM jsonb_array_elements(v_todo) t(e)
                     WHERE EXISTS (SELECT 1 FROM unnest(v_place.promoted) p

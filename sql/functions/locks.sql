@@ -53,16 +53,18 @@ BEGIN
 END
 $$;
 
--- The locks of a queue decision about p_users (admit, finish, promote): G in the mode the
--- ceiling asks for, the ceiling read under it, then the users' locks, sorted. With the ceiling
--- on, G is exclusive and the decision allocates global slots: the users whose ready jobs are
--- next in the fair order for the slots it may give out (free now, plus one per job in
--- p_ending, which it may end) are locked too, in the same sorted pass, so that the placement
--- can give a slot to whoever's turn it is. A ceiling turned on while this waited for G shared
--- allocates nothing (G cannot be upgraded without a deadlock): the decision asks for a pass.
--- Returns the ceiling in force, whether it allocates, and every user it locked.
-CREATE OR REPLACE FUNCTION aq_lock_decision_v1(
-    p_users text[], p_ending uuid[],
+-- The locks of a queue decision about p_users (admit, finish, promote): G, the ceiling read
+-- under it, then the users' locks, sorted. G is exclusive only for a decision that gives out
+-- global slots (p_allocates, with the ceiling on): the users whose ready jobs are next in the
+-- fair order for the free slots are locked too, in the same sorted pass, so that the placement
+-- can give a slot to whoever's turn it is. Every other decision holds G shared and gives out
+-- none: decisions about different users run side by side, and what one leaves to give out
+-- asks for a pass (aq_place_locked_v1), as when the ceiling was turned on while it waited
+-- (G cannot be upgraded without a deadlock). Returns the ceiling in force, whether the
+-- decision allocates, and every user it locked.
+DROP FUNCTION IF EXISTS aq_lock_decision_v1(text[], uuid[]);
+CREATE OR REPLACE FUNCTION aq_lock_decision_v2(
+    p_users text[], p_allocates boolean,
     OUT ceiling integer, OUT allocates boolean, OUT users text[])
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -71,7 +73,7 @@ DECLARE
     v_counted text[] := '{}';
 BEGIN
     users := ARRAY(SELECT DISTINCT u FROM unnest(p_users) u WHERE u IS NOT NULL);
-    IF aq_ceiling_v2() IS NULL THEN
+    IF aq_ceiling_v2() IS NULL OR NOT p_allocates THEN
         PERFORM aq_lock_global_shared_v1();
         ceiling := aq_ceiling_v2();
         allocates := ceiling IS NULL;
@@ -82,7 +84,7 @@ BEGIN
     END IF;
     IF ceiling IS NOT NULL AND allocates THEN
         -- Under G exclusive no slot fills and no job becomes ready but by this transaction.
-        SELECT ceiling - count(*) + coalesce(cardinality(p_ending), 0) INTO v_give
+        SELECT ceiling - count(*) INTO v_give
           FROM analysis_jobs a WHERE a.status IN ('pending', 'running');
         -- In turn order, one entry per delta and per user's first ready job.
         FOR v_next IN
@@ -105,7 +107,7 @@ $$;
 
 -- The global lock G guards the provider ceiling's slots and value. Its key text cannot equal a
 -- user key (those are the queue's prefix and a colon, then the user id). Decisions wait for it,
--- shared or exclusive (aq_lock_decision_v1); only the previous release's helpers try it
+-- shared or exclusive (aq_lock_decision_v2); only the previous release's helpers try it
 -- (sql/previous_release/), with the two tries at the end of this file.
 CREATE OR REPLACE FUNCTION aq_lock_global_v1() RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$

@@ -7,7 +7,7 @@
 -- with promoted_at; the caller hands it to the dispatcher, which releases its held run.
 
 -- A promotion pass, in its own transaction: the decision's locks for p_users
--- (aq_lock_decision_v1: with the ceiling on, also the users next in turn for the free global
+-- (aq_lock_decision_v2: with the ceiling on, also the users next in turn for the free global
 -- slots), then the one placement (aq_place_locked_v1), giving at most p_max global slots.
 -- Returns the ceiling in force and, one per row, the jobs it started (one row with job NULL
 -- when none), so the caller learns the mode from every call.
@@ -19,7 +19,7 @@ DECLARE
     v_lock record;
     v_place record;
 BEGIN
-    SELECT * INTO v_lock FROM aq_lock_decision_v1(p_users, '{}');
+    SELECT * INTO v_lock FROM aq_lock_decision_v2(p_users, true);
     ceiling := v_lock.ceiling;
     SELECT * INTO v_place FROM aq_place_locked_v1(
         v_lock.users, v_lock.ceiling, v_lock.allocates, p_max, '{}', '{}', '{}');
@@ -153,7 +153,7 @@ DECLARE
     v_lock record;
     v_place record;
 BEGIN
-    SELECT * INTO v_lock FROM aq_lock_decision_v1(ARRAY[p_user_id], '{}');
+    SELECT * INTO v_lock FROM aq_lock_decision_v2(ARRAY[p_user_id], true);
     IF p_max_running IS NULL THEN
         DELETE FROM user_limits WHERE user_id = p_user_id;
     ELSE

@@ -38,6 +38,28 @@ LANGUAGE sql STABLE AS $$
     SELECT coalesce((SELECT l.max_running FROM user_limits l WHERE l.user_id = p_user_id), 1)
 $$;
 
+-- Whether admitting the clicks p_items may start a job: with the ceiling off, yes; with it
+-- on, when one is a delta or its user holds or waits for fewer first-pass jobs than their
+-- limit. Read without a lock, to pick G's mode (aq_lock_decision_v2): clicks that queue behind
+-- their users' own jobs give out no global slot, so they need not wait for every other
+-- decision. The placement decides under the locks; a click this guessed wrong about waits
+-- ready, and asks for a pass.
+CREATE OR REPLACE FUNCTION aq_may_start_v1(p_items jsonb) RETURNS boolean
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN aq_ceiling_v2() IS NULL OR EXISTS (
+        SELECT 1 FROM jsonb_to_recordset(p_items) AS x(user_id text, delta_of uuid)
+         WHERE NOT aq_first_pass_v1(x.delta_of)
+            OR (SELECT count(*) FROM analysis_jobs a
+                 WHERE a.user_id = x.user_id AND a.status = 'queued'
+                   AND aq_first_pass_v1(a.delta_of_job_id))
+             + (SELECT count(*) FROM analysis_jobs a
+                 WHERE a.user_id = x.user_id AND a.status IN ('pending', 'running')
+                   AND aq_first_pass_v1(a.delta_of_job_id))
+             < aq_user_limit_v1(x.user_id));
+END
+$$;
+
 -- The free slots in 1..p_limit that are not in p_used, lowest first, as many as the limit
 -- leaves room for: active jobs count against it whatever their numbers (a lowered limit). Pure,
 -- so that a batch can apply it to the slots its earlier decisions took (admit.sql) and a fill
@@ -149,7 +171,7 @@ BEGIN
 END
 $$;
 
--- Locks held for p_users (aq_lock_decision_v1): place their queued jobs and the new jobs
+-- Locks held for p_users (aq_lock_decision_v2): place their queued jobs and the new jobs
 -- p_new_* by the rule above, giving out at most p_max global slots when p_allocates. Writes
 -- the queued jobs whose place changes and the turns of the users who started a job (ceiling
 -- on). Returns the jobs it started, the new jobs' places in order (the caller inserts them),
@@ -191,7 +213,8 @@ BEGIN
            coalesce(array_agg(p.turn ORDER BY p.seq) FILTER (WHERE p.new), '{}') AS n_turn,
            array_agg(DISTINCT p.user_id) FILTER (WHERE p.status = 'pending' AND NOT p.delta)
                AS starters,
-           coalesce(bool_or(p.wait = 'provider_capacity'), false) AS waits_capacity,
+           coalesce(bool_or(p.wait = 'provider_capacity' AND (p.new OR p.moves)), false)
+               AS made_ready,
            count(*) FILTER (WHERE p.global_slot IS NOT NULL) AS given
       INTO m
       FROM aq_placements_v1(p_users, p_ceiling, v_slots, v_now,
@@ -221,10 +244,10 @@ BEGIN
         SELECT u, v_now FROM unnest(m.starters) u ORDER BY u
         ON CONFLICT (user_id) DO UPDATE SET last_turn_at = EXCLUDED.last_turn_at;
     END IF;
-    -- Capacity left while someone waits for it: this decision could not give it (no
-    -- allocation), or its waiter's user is not locked here.
+    -- Capacity someone may wait for: a job this decision made ready while it gives out no
+    -- slot (G shared), or a slot left free while a user not locked here waits.
     asks_pass := p_ceiling IS NOT NULL AND (
-        (NOT p_allocates AND m.waits_capacity)
+        (NOT p_allocates AND m.made_ready)
         OR (p_allocates AND m.given < cardinality(v_slots) AND EXISTS (
                 SELECT 1 FROM analysis_jobs q
                  WHERE q.status = 'queued' AND q.waiting_for = 'provider_capacity'

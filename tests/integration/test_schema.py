@@ -733,3 +733,67 @@ async def test_the_dispatchers_running_marks_wait_for_a_busy_user_in_one_stateme
     )
     assert {r["status"] for r in rows} == {"running"}
     assert await db.mark_running([free.id, held.id], "inst-a") == set(), "nothing left to mark"
+
+
+async def test_with_the_ceiling_on_only_a_decision_that_may_start_a_job_waits_for_all_others(
+    db: Database, database_url: str
+) -> None:
+    """With the provider ceiling on, a click that queues behind its own user's job gives out no
+    global slot: it holds the global lock shared and is admitted beside another shared holder.
+    A newcomer's click may start at once: it waits for the global lock exclusively, and gets a
+    slot once the holder is done (docs/locking.md, "Why each mode")."""
+    await db.set_ceiling(2)
+    first = await _admit(db, "behind")
+    assert first.status == "pending"
+    holder = await asyncpg.connect(database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT aq_lock_global_shared_v1()")
+        second = await asyncio.wait_for(_admit(db, "behind"), 5)
+        assert (second.status, second.waiting_for) == ("queued", "your_previous_analysis")
+        newcomer = asyncio.create_task(_admit(db, "newcomer"))
+        await wait_until_blocked(database_url, holder.get_server_pid())
+        assert not newcomer.done()
+        await tx.commit()
+        started = await asyncio.wait_for(newcomer, 5)
+    finally:
+        await holder.close()
+    assert started.status == "pending"
+    rows = await fetch(
+        database_url, "SELECT global_slot FROM analysis_jobs WHERE id = $1", started.id
+    )
+    assert rows[0]["global_slot"] is not None
+
+
+async def test_with_the_ceiling_on_a_completion_frees_its_slot_and_a_pass_gives_it_out(
+    db: Database, database_url: str
+) -> None:
+    """With the ceiling on, a completion holds the global lock shared like the clicks: it frees
+    the job's slots, leaves the user's next job ready and asks for a pass; the pass (the global
+    lock exclusively) gives the slot to whoever's turn it is, here that next job."""
+    await db.set_ceiling(1)
+    done, waiting = await _admit(db, "turns"), await _admit(db, "turns")
+    assert waiting.status == "queued"
+    assert set(await db.claim([done.id], "inst-a", 60)) == {done.id}
+    assert await db.mark_running([done.id], "inst-a") == {done.id}
+    holder = await asyncpg.connect(database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT aq_lock_global_shared_v1()")
+        finished = await asyncio.wait_for(
+            db.finish(job_id=done.id, status="succeeded", from_statuses=("running",), ran=True),
+            5,
+        )
+        await tx.commit()
+    finally:
+        await holder.close()
+    assert finished is not None and finished.changed
+    assert finished.promoted == () and finished.asks_pass
+    rows = await fetch(
+        database_url, "SELECT status, waiting_for FROM analysis_jobs WHERE id = $1", waiting.id
+    )
+    assert (rows[0]["status"], rows[0]["waiting_for"]) == ("queued", "provider_capacity")
+    ceiling, promoted = await db.promote([], 64)
+    assert ceiling == 1 and [j.id for j in promoted] == [waiting.id]
