@@ -42,6 +42,8 @@ sys.path.insert(0, str(ROOT))
 from analysis_queue.client import NO_RETRIES, AnalysisQueueClient, ProblemError  # noqa: E402
 from analysis_queue.core.client import CoreClient  # noqa: E402
 from analysis_queue.http.auth import mint_token  # noqa: E402
+from analysis_queue.loops.dispatch import Dispatcher, DispatchSettings  # noqa: E402
+from analysis_queue.loops.promote import Promoter  # noqa: E402
 from analysis_queue.loops.sweep import Sweeper, SweepSettings  # noqa: E402
 from analysis_queue.metrics import Metrics  # noqa: E402
 from analysis_queue.models import (  # noqa: E402
@@ -49,10 +51,8 @@ from analysis_queue.models import (  # noqa: E402
     JobStatus,
     ReserveRequest,
 )
-from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings  # noqa: E402
 from analysis_queue.queue.finish import Finisher  # noqa: E402
 from analysis_queue.queue.followup import FollowUp  # noqa: E402
-from analysis_queue.queue.promote import Promoter  # noqa: E402
 from analysis_queue.store.database import Database  # noqa: E402
 from analysis_queue.store.listen import JOBS_CHANNEL  # noqa: E402
 from analysis_queue.store.migrate import apply_migrations  # noqa: E402

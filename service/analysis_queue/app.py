@@ -39,16 +39,16 @@ from analysis_queue.http.auth import TokenCache
 from analysis_queue.http.edge import Edge, EdgeSettings, EdgeSite
 from analysis_queue.http.scrape import DatabaseGauges
 from analysis_queue.http.state import SERVICES, Services
+from analysis_queue.loops.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.loops.hub import EventHub, HubSettings
 from analysis_queue.loops.listener import Listener, ListenerSettings
+from analysis_queue.loops.promote import Promoter
 from analysis_queue.loops.sweep import Sweeper, SweepSettings
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import ChangeNotice
 from analysis_queue.queue.admit import Admitter
-from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.followup import FollowUp, Trigger
-from analysis_queue.queue.promote import Promoter
 from analysis_queue.store.database import Claim, Database, Timeouts
 from analysis_queue.store.driver import StartupParametersRefused
 from analysis_queue.store.migrate import apply_migrations

@@ -1,6 +1,6 @@
 -- promote: fill free slots, in admission order per user and in fair turns across users.
 --
--- Who calls what (queue/promote.py decides when): a completion fills the slot it frees itself
+-- Who calls what (loops/promote.py decides when): a completion fills the slot it frees itself
 -- (finish.sql); a promotion pass (aq_promote_v3) fills what is left, woken by a notification
 -- (aq_promote_woken_v1), asked for by an admit, a cancel or a change of limit, or run by the
 -- sweep. Locks: docs/locking.md. Every function here that starts a job writes it 'pending'

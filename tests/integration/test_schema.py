@@ -18,9 +18,9 @@ from typing import Any
 import asyncpg
 import pytest
 from analysis_queue.core.client import CoreClient
+from analysis_queue.loops.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import AdmitRequest, Job, ReserveRequest
-from analysis_queue.queue.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.followup import FollowUp
 from analysis_queue.store.database import Database

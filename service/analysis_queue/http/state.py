@@ -12,14 +12,14 @@ from analysis_queue.dev.core_sim import CoreSimulator
 from analysis_queue.http.auth import TokenCache
 from analysis_queue.http.edge import Edge
 from analysis_queue.http.scrape import DatabaseGauges
+from analysis_queue.loops.dispatch import Dispatcher
 from analysis_queue.loops.hub import EventHub
 from analysis_queue.loops.listener import Listener
+from analysis_queue.loops.promote import Promoter
 from analysis_queue.loops.sweep import Sweeper
 from analysis_queue.metrics import Metrics
 from analysis_queue.queue.admit import Admitter
-from analysis_queue.queue.dispatch import Dispatcher
 from analysis_queue.queue.finish import Finisher
-from analysis_queue.queue.promote import Promoter
 from analysis_queue.store.database import Database
 
 

@@ -24,12 +24,12 @@ from uuid import UUID
 
 from analysis_queue import errors
 from analysis_queue.core.client import CoreClient
+from analysis_queue.loops.dispatch import Dispatcher
+from analysis_queue.loops.promote import Promoter
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import JobStatus, StaleReservation
-from analysis_queue.queue.dispatch import Dispatcher
 from analysis_queue.queue.finish import Applied, Finisher
 from analysis_queue.queue.followup import Trigger
-from analysis_queue.queue.promote import Promoter
 from analysis_queue.store.database import Database
 
 log = logging.getLogger(__name__)

@@ -43,14 +43,14 @@ class Trigger(StrEnum):
 
 
 class Releases(Protocol):
-    """Who releases held runs (``queue/dispatch.Dispatcher``): ``release(job)`` knows from the
+    """Who releases held runs (``loops/dispatch.Dispatcher``): ``release(job)`` knows from the
     job whether its claim is already this instance's."""
 
     def release(self, job: Job) -> None: ...
 
 
 class Passes(Protocol):
-    """Who runs promotion passes (``queue/promote.Promoter``)."""
+    """Who runs promotion passes (``loops/promote.Promoter``)."""
 
     def pass_soon(self, trigger: Trigger, user_id: str | None = None) -> None: ...
 

@@ -11,10 +11,10 @@ import asyncio
 from collections.abc import Sequence
 from uuid import UUID
 
+from analysis_queue.loops.promote import PASS_BATCH, WAKE_CONCURRENCY, Promoter
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import Job, JobStatus, Woken
 from analysis_queue.queue.followup import FollowUp, Trigger
-from analysis_queue.queue.promote import PASS_BATCH, WAKE_CONCURRENCY, Promoter
 from support import make_job
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from analysis_queue.queue.dispatch import next_attempt_at
+from analysis_queue.loops.dispatch import next_attempt_at
 
 SAMPLES = 2000
 
