@@ -31,14 +31,105 @@ DROP TRIGGER IF EXISTS analysis_jobs_notice_update_v1 ON analysis_jobs;
 DROP FUNCTION IF EXISTS aq_job_event_v2();
 DROP FUNCTION IF EXISTS aq_job_notice_v1();
 
--- The wake-up list (the setting aq.changed, transaction-local) is plain text, so that adding to
--- it costs a string search, not a JSON parse: the epoch of the transaction's first change, then
+-- A job's change as an event kind (analysis_queue.models.EventKind), from its status and
+-- deleted_at before (both NULL: inserted) and after. Inlined where it is called.
+CREATE OR REPLACE FUNCTION aq_change_kind_v1(
+    p_was text, p_was_deleted timestamptz, p_status text, p_deleted timestamptz)
+RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE
+        WHEN p_was IS NULL THEN 'admitted'
+        WHEN p_deleted IS NOT NULL AND p_was_deleted IS NULL THEN 'deleted'
+        WHEN p_status = p_was AND p_status = 'queued' THEN 'waiting'
+        ELSE CASE p_status
+            WHEN 'pending' THEN 'promoted'
+            WHEN 'running' THEN 'started'
+            WHEN 'succeeded' THEN 'finished'
+            WHEN 'failed' THEN 'finished'
+            WHEN 'cancelled' THEN 'cancelled'
+            ELSE 'changed' END
+    END
+$$;
+
+-- Whether the same change may leave work for someone ('1', else '0'): the job left
+-- pending/running (finished, or deleted), or became pending. Inlined where it is called.
+CREATE OR REPLACE FUNCTION aq_change_wakes_v1(
+    p_was text, p_was_deleted timestamptz, p_status text, p_deleted timestamptz)
+RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN (p_was IN ('pending', 'running')
+                      AND (p_status NOT IN ('pending', 'running')
+                           OR (p_deleted IS NOT NULL AND p_was_deleted IS NULL)))
+                     OR (p_status = 'pending' AND p_was IS DISTINCT FROM 'pending')
+                THEN '1' ELSE '0' END
+$$;
+
+-- Move each user's event counter (p_users sorted, distinct) by their count of new events,
+-- creating it on first use; returns the counters after, in p_users' order. The rows stay locked
+-- until commit: the last lock an event writer takes (docs/locking.md).
+CREATE OR REPLACE FUNCTION aq_count_events_v1(p_users text[], p_counts integer[])
+RETURNS bigint[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_last bigint[];
+BEGIN
+    IF cardinality(p_users) = 1 THEN
+        UPDATE job_event_counters k SET last_id = k.last_id + p_counts[1]
+         WHERE k.user_id = p_users[1]
+        RETURNING ARRAY[k.last_id] INTO v_last;
+    END IF;
+    IF v_last IS NULL THEN  -- several users, or a first event
+        WITH u AS (
+            INSERT INTO job_event_counters AS k (user_id, last_id)
+            SELECT c.u, c.n FROM unnest(p_users, p_counts) AS c(u, n) ORDER BY c.u
+            ON CONFLICT (user_id) DO UPDATE SET last_id = k.last_id + EXCLUDED.last_id
+            RETURNING k.user_id, k.last_id)
+        SELECT array_agg(u.last_id ORDER BY u.user_id) INTO v_last FROM u;
+    END IF;
+    RETURN v_last;
+END
+$$;
+
+-- Add p_users, each with its wake, to the transaction's wake-up list. The list (the setting
+-- aq.changed, transaction-local) is plain text, so that adding to it costs a string search, not
+-- a JSON parse: the epoch of the transaction's first change, then
 -- one entry per user and wake, E'\x1f' || wake || user id || E'\x1f'. Wake is 1 when a change
 -- may leave work for someone (a job left pending/running, or became pending), else 0; a user
 -- who woke after a change that did not appears twice, and the note takes the larger. User ids
 -- hold no control characters (http/auth.py), so an entry is found only where it starts. Past
 -- 7,500 bytes the note could not be smaller: the list becomes the epoch and E'\x1f\x1e', the
 -- overflow, and takes no more entries.
+CREATE OR REPLACE FUNCTION aq_note_changed_v1(p_users text[], p_wakes text[]) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_list text := coalesce(current_setting('aq.changed', true), '');
+    v_add text := '';
+BEGIN
+    IF right(v_list, 1) = E'\x1e' THEN
+        RETURN;  -- overflowed: listeners re-read everything
+    END IF;
+    FOR i IN 1 .. cardinality(p_users) LOOP
+        CONTINUE WHEN strpos(v_list, E'\x1f1' || p_users[i] || E'\x1f') > 0
+                   OR (p_wakes[i] = '0' AND strpos(v_list, E'\x1f0' || p_users[i] || E'\x1f') > 0);
+        v_add := v_add || E'\x1f' || p_wakes[i] || p_users[i] || E'\x1f';
+    END LOOP;
+    IF v_add = '' THEN
+        RETURN;  -- the list says so already
+    END IF;
+    IF v_list = '' THEN
+        v_list := extract(epoch FROM clock_timestamp())::text;
+    END IF;
+    v_list := v_list || v_add;
+    IF octet_length(v_list) > 7500 THEN
+        v_list := split_part(v_list, E'\x1f', 1) || E'\x1f\x1e';
+    END IF;
+    PERFORM set_config('aq.changed', v_list, true);
+END
+$$;
+
+-- The trigger function: the statement's changes, their events with ids from each user's
+-- counter (aq_count_events_v1), and their users added to the wake-up list
+-- (aq_note_changed_v1).
 CREATE OR REPLACE FUNCTION aq_job_changes_v1() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -55,36 +146,21 @@ DECLARE
     v_last bigint[];
     v_id bigint;
     d integer := 0;
-    v_list text;
-    v_add text := '';
 BEGIN
     IF TG_OP = 'INSERT' THEN
         SELECT array_agg(c.user_id), array_agg(c.id), array_agg(c.kind), array_agg(c.wake)
           INTO v_users, v_jobs, v_kinds, v_wakes
-          FROM (SELECT n.user_id, n.id, 'admitted'::text AS kind,
-                       CASE WHEN n.status = 'pending' THEN '1' ELSE '0' END AS wake
+          FROM (SELECT n.user_id, n.id,
+                       aq_change_kind_v1(NULL, NULL, n.status, n.deleted_at) AS kind,
+                       aq_change_wakes_v1(NULL, NULL, n.status, n.deleted_at) AS wake
                   FROM aq_new n
                  ORDER BY n.user_id, n.queue_seq) c;
     ELSE
         SELECT array_agg(c.user_id), array_agg(c.id), array_agg(c.kind), array_agg(c.wake)
           INTO v_users, v_jobs, v_kinds, v_wakes
           FROM (SELECT n.user_id, n.id,
-                       CASE
-                           WHEN n.deleted_at IS NOT NULL AND o.deleted_at IS NULL THEN 'deleted'
-                           WHEN n.status = o.status AND n.status = 'queued' THEN 'waiting'
-                           ELSE CASE n.status
-                               WHEN 'pending' THEN 'promoted'
-                               WHEN 'running' THEN 'started'
-                               WHEN 'succeeded' THEN 'finished'
-                               WHEN 'failed' THEN 'finished'
-                               WHEN 'cancelled' THEN 'cancelled'
-                               ELSE 'changed' END
-                       END AS kind,
-                       CASE WHEN (o.status IN ('pending', 'running')
-                                  AND (n.status NOT IN ('pending', 'running')
-                                       OR (n.deleted_at IS NOT NULL AND o.deleted_at IS NULL)))
-                                 OR (n.status = 'pending' AND o.status <> 'pending')
-                            THEN '1' ELSE '0' END AS wake
+                       aq_change_kind_v1(o.status, o.deleted_at, n.status, n.deleted_at) AS kind,
+                       aq_change_wakes_v1(o.status, o.deleted_at, n.status, n.deleted_at) AS wake
                   FROM aq_new n JOIN aq_old o ON o.id = n.id
                  WHERE o.status IS DISTINCT FROM n.status
                     OR o.deleted_at IS DISTINCT FROM n.deleted_at
@@ -107,20 +183,8 @@ BEGIN
         v_wake[d] := greatest(v_wake[d], v_wakes[i]);
     END LOOP;
 
-    -- Each user's counter moves by their count of changes; their events take the ids below it.
-    IF d = 1 THEN
-        UPDATE job_event_counters k SET last_id = k.last_id + v_count[1]
-         WHERE k.user_id = v_user[1]
-        RETURNING ARRAY[k.last_id] INTO v_last;
-    END IF;
-    IF v_last IS NULL THEN  -- several users, or a first event
-        WITH u AS (
-            INSERT INTO job_event_counters AS k (user_id, last_id)
-            SELECT c.u, c.n FROM unnest(v_user, v_count) AS c(u, n) ORDER BY c.u
-            ON CONFLICT (user_id) DO UPDATE SET last_id = k.last_id + EXCLUDED.last_id
-            RETURNING k.user_id, k.last_id)
-        SELECT array_agg(u.last_id ORDER BY u.user_id) INTO v_last FROM u;
-    END IF;
+    -- Each user's events take the ids below their counter after them.
+    v_last := aq_count_events_v1(v_user, v_count);
     d := 0;
     FOR i IN 1 .. cardinality(v_users) LOOP
         IF d = 0 OR v_user[d] <> v_users[i] THEN
@@ -134,26 +198,7 @@ BEGIN
     SELECT e.u, e.id, e.j, e.k, clock_timestamp()
       FROM unnest(v_users, v_ids, v_jobs, v_kinds) AS e(u, id, j, k);
 
-    v_list := coalesce(current_setting('aq.changed', true), '');
-    IF right(v_list, 1) = E'\x1e' THEN
-        RETURN NULL;  -- overflowed: listeners re-read everything
-    END IF;
-    FOR i IN 1 .. d LOOP
-        CONTINUE WHEN strpos(v_list, E'\x1f1' || v_user[i] || E'\x1f') > 0
-                   OR (v_wake[i] = '0' AND strpos(v_list, E'\x1f0' || v_user[i] || E'\x1f') > 0);
-        v_add := v_add || E'\x1f' || v_wake[i] || v_user[i] || E'\x1f';
-    END LOOP;
-    IF v_add = '' THEN
-        RETURN NULL;  -- the list says so already
-    END IF;
-    IF v_list = '' THEN
-        v_list := extract(epoch FROM clock_timestamp())::text;
-    END IF;
-    v_list := v_list || v_add;
-    IF octet_length(v_list) > 7500 THEN
-        v_list := split_part(v_list, E'\x1f', 1) || E'\x1f\x1e';
-    END IF;
-    PERFORM set_config('aq.changed', v_list, true);
+    PERFORM aq_note_changed_v1(v_user, v_wake);
     RETURN NULL;
 END
 $$;

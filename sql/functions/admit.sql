@@ -8,6 +8,23 @@
 -- user's lock (docs/locking.md): a second click of the same user waits for the first to
 -- commit and then sees its job.
 
+-- What a click's Idempotency-Key already names, outside the click's own batch (aq_reserve_v2,
+-- under the user's lock): its job (existing, or key_reused for another body), else a click in
+-- flight (in_progress, or key_reused), else nothing (outcome NULL).
+CREATE OR REPLACE FUNCTION aq_key_seen_v1(
+    p_user text, p_key text, p_hash text, OUT outcome text, OUT job_id uuid)
+LANGUAGE sql STABLE AS $$
+    SELECT k.outcome, k.job_id FROM (
+        SELECT 1 AS rank, j.id AS job_id,
+               CASE WHEN j.request_hash = p_hash THEN 'existing' ELSE 'key_reused' END AS outcome
+          FROM analysis_jobs j WHERE j.user_id = p_user AND j.idempotency_key = p_key
+        UNION ALL
+        SELECT 2, NULL,
+               CASE WHEN c.request_hash = p_hash THEN 'in_progress' ELSE 'key_reused' END
+          FROM core_run_reservations c WHERE c.user_id = p_user AND c.idempotency_key = p_key
+    ) k ORDER BY k.rank LIMIT 1
+$$;
+
 -- Reserve run ids before Core is asked for held runs: per click, in item order, resolve its
 -- Idempotency-Key, then hold its cost against the balance less every hold already made (the
 -- user's reservations still in flight, this batch's included), so concurrent clicks of a user
@@ -24,7 +41,6 @@ RETURNS TABLE (item integer, outcome text, job_id uuid, balance bigint)
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
     r record;
-    v_hash text;
     v_users text[];
     v_free bigint[];
     v_keys text[] := '{}';  -- user || E'\x1f' || key of the batch's reservations, and hashes
@@ -53,34 +69,26 @@ BEGIN
         ORDER BY x.item
     LOOP
         item := r.item;
+        outcome := NULL;
         job_id := NULL;
         balance := NULL;
         IF EXISTS (SELECT 1 FROM core_run_reservations c WHERE c.run_id = r.run_id) THEN
             outcome := 'reserved';
             job_id := r.job_id;
+        ELSIF r.idempotency_key IS NOT NULL THEN
+            -- A key an earlier click of this batch reserved is in progress too.
+            d := array_position(v_keys, r.user_id || E'\x1f' || r.idempotency_key);
+            IF d IS NOT NULL THEN
+                outcome := CASE WHEN v_hashes[d] = r.request_hash THEN 'in_progress'
+                                ELSE 'key_reused' END;
+            ELSE
+                SELECT k.outcome, k.job_id INTO outcome, job_id
+                  FROM aq_key_seen_v1(r.user_id, r.idempotency_key, r.request_hash) k;
+            END IF;
+        END IF;
+        IF outcome IS NOT NULL THEN
             RETURN NEXT;
             CONTINUE;
-        END IF;
-        IF r.idempotency_key IS NOT NULL THEN
-            SELECT j.id, j.request_hash INTO job_id, v_hash FROM analysis_jobs j
-             WHERE j.user_id = r.user_id AND j.idempotency_key = r.idempotency_key;
-            IF FOUND THEN
-                outcome := CASE WHEN v_hash = r.request_hash THEN 'existing' ELSE 'key_reused' END;
-                RETURN NEXT;
-                CONTINUE;
-            END IF;
-            d := array_position(v_keys, r.user_id || E'\x1f' || r.idempotency_key);
-            v_hash := v_hashes[d];
-            IF d IS NULL THEN
-                SELECT c.request_hash INTO v_hash FROM core_run_reservations c
-                 WHERE c.user_id = r.user_id AND c.idempotency_key = r.idempotency_key;
-            END IF;
-            IF d IS NOT NULL OR FOUND THEN
-                outcome := CASE WHEN v_hash = r.request_hash THEN 'in_progress'
-                                ELSE 'key_reused' END;
-                RETURN NEXT;
-                CONTINUE;
-            END IF;
         END IF;
         d := array_position(v_users, r.user_id);
         IF v_free[d] < r.cost THEN

@@ -34,6 +34,54 @@ END
 $$;
 
 
+-- Whether a pass may start a job of p_user, as a wake-up reads it without a lock
+-- (aq_promote_woken_v1): room (fewer active first-pass jobs than the limit) and a queued head
+-- that does not wait for the provider (with the ceiling on, its wait is stale); or, ceiling
+-- off, a delta still waiting for capacity.
+CREATE OR REPLACE FUNCTION aq_fillable_v1(p_user text, p_ceiling integer) RETURNS boolean
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_head text;
+BEGIN
+    SELECT q.waiting_for INTO v_head FROM analysis_jobs q
+     WHERE q.user_id = p_user AND q.status = 'queued' AND aq_first_pass_v1(q.delta_of_job_id)
+     ORDER BY q.queue_seq
+     LIMIT 1;
+    IF FOUND AND (p_ceiling IS NULL OR v_head = 'your_previous_analysis')
+            AND (SELECT count(*) FROM analysis_jobs a
+                  WHERE a.user_id = p_user AND a.status IN ('pending', 'running')
+                    AND aq_first_pass_v1(a.delta_of_job_id)) < aq_user_limit_v1(p_user) THEN
+        RETURN true;
+    END IF;
+    RETURN p_ceiling IS NULL AND EXISTS (
+        SELECT 1 FROM analysis_jobs d
+         WHERE d.user_id = p_user AND d.status = 'queued'
+           AND d.waiting_for = 'provider_capacity'
+           AND NOT aq_first_pass_v1(d.delta_of_job_id));
+END
+$$;
+
+-- The pending jobs of p_user that nobody is releasing: unclaimed (or the claim's lease ran
+-- out) and due. First-pass jobs through the user's slots, deltas through the open work: the
+-- user's history is never read.
+CREATE OR REPLACE FUNCTION aq_unreleased_v1(p_user text) RETURNS SETOF analysis_jobs
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY
+        SELECT j.* FROM analysis_jobs j
+         WHERE j.user_id = p_user AND j.status IN ('pending', 'running')
+           AND aq_first_pass_v1(j.delta_of_job_id) AND j.status = 'pending'
+           AND (j.claim_expires_at IS NULL OR j.claim_expires_at < clock_timestamp())
+           AND (j.next_release_at IS NULL OR j.next_release_at <= clock_timestamp())
+        UNION ALL
+        SELECT j.* FROM analysis_jobs j
+         WHERE j.status = 'pending' AND NOT aq_first_pass_v1(j.delta_of_job_id)
+           AND j.user_id = p_user
+           AND (j.claim_expires_at IS NULL OR j.claim_expires_at < clock_timestamp())
+           AND (j.next_release_at IS NULL OR j.next_release_at <= clock_timestamp());
+END
+$$;
+
 -- A wake-up (a notification about p_users' jobs): fill what it left to fill, and name the
 -- pending jobs of p_users nobody is releasing. Reads without a lock first, so the usual wake
 -- (the change already filled its own slot, or freed none) costs a few index lookups and takes
@@ -51,9 +99,6 @@ DECLARE
     v_user text;
     v_users text[] := '{}';
     v_woken text[];
-    v_head text;
-    v_limit integer;
-    v_used integer[];
     v_ids uuid[] := '{}';
     v_row record;
     v_job analysis_jobs;
@@ -62,25 +107,7 @@ BEGIN
     SELECT coalesce(array_agg(DISTINCT u ORDER BY u), '{}') INTO v_woken
       FROM unnest(p_users) u WHERE u IS NOT NULL;
     FOREACH v_user IN ARRAY v_woken LOOP
-        -- Room (fewer active first-pass jobs than the limit) and a head that does not wait
-        -- for the provider (with the ceiling on, its wait is stale) ...
-        SELECT q.waiting_for INTO v_head FROM analysis_jobs q
-         WHERE q.user_id = v_user AND q.status = 'queued' AND aq_first_pass_v1(q.delta_of_job_id)
-         ORDER BY q.queue_seq
-         LIMIT 1;
-        IF FOUND AND (ceiling IS NULL OR v_head = 'your_previous_analysis') THEN
-            SELECT s.max_running, s.used INTO v_limit, v_used FROM aq_user_slots_v1(v_user) s;
-            IF cardinality(v_used) < v_limit THEN
-                v_users := v_users || v_user;
-                CONTINUE;
-            END IF;
-        END IF;
-        -- ... or, ceiling off, a delta still waiting for capacity.
-        IF ceiling IS NULL AND EXISTS (
-                SELECT 1 FROM analysis_jobs d
-                 WHERE d.user_id = v_user AND d.status = 'queued'
-                   AND d.waiting_for = 'provider_capacity'
-                   AND NOT aq_first_pass_v1(d.delta_of_job_id)) THEN
+        IF aq_fillable_v1(v_user, ceiling) THEN
             v_users := v_users || v_user;
         END IF;
     END LOOP;
@@ -100,21 +127,7 @@ BEGIN
         END LOOP;
     END IF;
     FOREACH v_user IN ARRAY v_woken LOOP
-        -- First-pass jobs through the user's slots, deltas through the open work (the user's
-        -- history is never read).
-        FOR v_job IN
-            SELECT j.* FROM analysis_jobs j
-             WHERE j.user_id = v_user AND j.status IN ('pending', 'running')
-               AND aq_first_pass_v1(j.delta_of_job_id) AND j.status = 'pending'
-               AND (j.claim_expires_at IS NULL OR j.claim_expires_at < clock_timestamp())
-               AND (j.next_release_at IS NULL OR j.next_release_at <= clock_timestamp())
-            UNION ALL
-            SELECT j.* FROM analysis_jobs j
-             WHERE j.status = 'pending' AND NOT aq_first_pass_v1(j.delta_of_job_id)
-               AND j.user_id = v_user
-               AND (j.claim_expires_at IS NULL OR j.claim_expires_at < clock_timestamp())
-               AND (j.next_release_at IS NULL OR j.next_release_at <= clock_timestamp())
-        LOOP
+        FOR v_job IN SELECT * FROM aq_unreleased_v1(v_user) LOOP
             CONTINUE WHEN v_job.id = ANY (v_ids);
             job := v_job;
             promoted := false;

@@ -140,6 +140,27 @@ def test_every_function_trigger_and_view_is_defined_once_and_re_applies() -> Non
     assert names == sorted(names, key=lambda n: ([n.startswith(o) for o in order].index(True), n))
 
 
+FUNCTION_BODY = re.compile(
+    r"^CREATE\s+OR\s+REPLACE\s+FUNCTION\s+([a-z_0-9]+)\s*\(.*?\sAS\s+\$(\w*)\$(.*?)\$\2\$",
+    re.MULTILINE | re.IGNORECASE | re.DOTALL,
+)
+LONGEST_BODY = 80
+
+
+def test_no_function_body_is_longer_than_a_screen() -> None:
+    """Each function decides one thing, readable at once: no body of this release's functions
+    and triggers over 80 lines (the previous release's entry points are kept as they shipped)."""
+    seen: dict[str, int] = {}
+    for repeatable in repeatables():
+        if repeatable.name.startswith("previous_release/"):
+            continue
+        for match in FUNCTION_BODY.finditer(repeatable.sql):
+            seen[f"{repeatable.name}: {match.group(1)}"] = match.group(3).count("\n")
+    assert len(seen) >= 30, "the scan finds the functions"
+    assert "triggers/job_events.sql: aq_job_changes_v1" in seen
+    assert {name: n for name, n in seen.items() if n > LONGEST_BODY} == {}
+
+
 def test_no_sql_outside_the_three_places() -> None:
     """SQL the service runs is in sql/migrations, sql/functions, sql/previous_release, triggers
     or sql/queries.sql; beside them sql/schema.sql, which only describes (nothing runs it)."""
