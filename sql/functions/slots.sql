@@ -39,15 +39,20 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Whether admitting the clicks p_items may start a job: with the ceiling off, yes; with it
--- on, when one is a delta or its user holds or waits for fewer first-pass jobs than their
--- limit. Read without a lock, to pick G's mode (aq_lock_decision_v2): clicks that queue behind
--- their users' own jobs give out no global slot, so they need not wait for every other
--- decision. The placement decides under the locks; a click this guessed wrong about waits
--- ready, and asks for a pass.
+-- on, when the provider has a free slot and one click is a delta or its user holds or waits
+-- for fewer first-pass jobs than their limit. Read without a lock, to pick G's mode
+-- (aq_lock_decision_v2): clicks that queue behind their users' own jobs or behind a full
+-- ceiling give out no global slot, so they need not wait for every other decision. The
+-- placement decides under the locks; a click this guessed wrong about waits ready, and asks
+-- for a pass.
 CREATE OR REPLACE FUNCTION aq_may_start_v1(p_items jsonb) RETURNS boolean
 LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_ceiling integer := aq_ceiling_v2();
 BEGIN
-    RETURN aq_ceiling_v2() IS NULL OR EXISTS (
+    RETURN v_ceiling IS NULL OR (
+        SELECT count(*) FROM analysis_jobs a WHERE a.status IN ('pending', 'running')
+    ) < v_ceiling AND EXISTS (
         SELECT 1 FROM jsonb_to_recordset(p_items) AS x(user_id text, delta_of uuid)
          WHERE NOT aq_first_pass_v1(x.delta_of)
             OR (SELECT count(*) FROM analysis_jobs a
@@ -245,9 +250,13 @@ BEGIN
         ON CONFLICT (user_id) DO UPDATE SET last_turn_at = EXCLUDED.last_turn_at;
     END IF;
     -- Capacity someone may wait for: a job this decision made ready while it gives out no
-    -- slot (G shared), or a slot left free while a user not locked here waits.
+    -- slot (G shared) and a slot is free (a slot freed by a holder beside it is that holder's
+    -- to ask for: its pass waits for this decision), or a slot left free while a user not
+    -- locked here waits.
     asks_pass := p_ceiling IS NOT NULL AND (
-        (NOT p_allocates AND m.made_ready)
+        (NOT p_allocates AND m.made_ready
+         AND (SELECT count(*) FROM analysis_jobs a
+               WHERE a.status IN ('pending', 'running')) < p_ceiling)
         OR (p_allocates AND m.given < cardinality(v_slots) AND EXISTS (
                 SELECT 1 FROM analysis_jobs q
                  WHERE q.status = 'queued' AND q.waiting_for = 'provider_capacity'

@@ -20,7 +20,7 @@ import pytest
 from analysis_queue.core.client import CoreClient
 from analysis_queue.loops.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import AdmitRequest, Job, ReserveRequest
+from analysis_queue.models import Admission, AdmitRequest, Job, ReserveRequest
 from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.followup import FollowUp
 from analysis_queue.store.database import Database
@@ -243,7 +243,18 @@ async def _admit_reserved(
     cost: int,
     delta_of: uuid.UUID | None = None,
 ) -> Job:
-    admission = await db.admit(
+    return (await _admission(db, user, run_id, job_id, cost, delta_of)).job
+
+
+async def _admission(
+    db: Database,
+    user: str,
+    run_id: uuid.UUID,
+    job_id: uuid.UUID,
+    cost: int,
+    delta_of: uuid.UUID | None = None,
+) -> Admission:
+    return await db.admit(
         AdmitRequest(
             job_id=job_id,
             user_id=user,
@@ -257,7 +268,6 @@ async def _admit_reserved(
             request_hash=None,
         )
     )
-    return admission.job
 
 
 async def _admit(db: Database, user: str, delta_of: uuid.UUID | None = None) -> Job:
@@ -764,6 +774,38 @@ async def test_with_the_ceiling_on_only_a_decision_that_may_start_a_job_waits_fo
         database_url, "SELECT global_slot FROM analysis_jobs WHERE id = $1", started.id
     )
     assert rows[0]["global_slot"] is not None
+
+
+async def test_with_the_ceiling_full_a_newcomers_click_queues_beside_other_decisions(
+    db: Database, database_url: str
+) -> None:
+    """With every global slot taken, a newcomer's click cannot start: it holds the global lock
+    shared, is admitted beside another shared holder, waits for provider capacity, and asks for
+    no pass (whoever frees a slot asks). The completion that frees the slot asks for one, and
+    that pass starts the newcomer's job."""
+    await db.set_ceiling(1)
+    full = await _admit(db, "holds-the-slot")
+    assert full.status == "pending"
+    holder = await asyncpg.connect(database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT aq_lock_global_shared_v1()")
+        run_id, job_id = await _reserve(db, "newcomer", 0)
+        clicked = await asyncio.wait_for(_admission(db, "newcomer", run_id, job_id, 0), 5)
+        await tx.commit()
+    finally:
+        await holder.close()
+    assert (clicked.job.status, clicked.job.waiting_for) == ("queued", "provider_capacity")
+    assert clicked.promoted == () and not clicked.asks_pass
+    assert set(await db.claim([full.id], "inst-a", 60)) == {full.id}
+    assert await db.mark_running([full.id], "inst-a") == {full.id}
+    finished = await db.finish(
+        job_id=full.id, status="succeeded", from_statuses=("running",), ran=True
+    )
+    assert finished is not None and finished.asks_pass
+    ceiling, promoted = await db.promote([], 64)
+    assert ceiling == 1 and [j.id for j in promoted] == [clicked.job.id]
 
 
 async def test_with_the_ceiling_on_a_completion_frees_its_slot_and_a_pass_gives_it_out(
