@@ -25,14 +25,14 @@ BEGIN
             'cost', 1, 'thesis', '{}'::jsonb, 'sources', '[]'::jsonb,
             'idempotency_key', NULL, 'request_hash', NULL);
     END LOOP;
-    PERFORM aq_reserve_many_v1(v_items);
+    PERFORM aq_reserve_v2(v_items);
     v_items := (SELECT jsonb_agg(i || jsonb_build_object(
                     'core_run_id', 'warm-' || (i ->> 'job_id'), 'delta_of', NULL))
                   FROM jsonb_array_elements(v_items) i);
-    PERFORM aq_admit_many_v1(v_items, 'warm-up', 1);
+    PERFORM aq_admit_v3(v_items, 'warm-up', 1);
     -- The first job runs, then Core reports it done: its finish promotes the second.
-    PERFORM aq_mark_running_v2(ARRAY[v_jobs[1]], 'warm-up', false);
-    PERFORM aq_finish_many_v1(
+    PERFORM aq_mark_running_v3(ARRAY[v_jobs[1]], 'warm-up');
+    PERFORM aq_finish_v3(
         jsonb_build_array(jsonb_build_object(
             'item', 0, 'core_run_id', 'warm-' || v_jobs[1], 'status', 'succeeded',
             'from', ARRAY['pending', 'running'], 'error_code', NULL, 'error_detail', NULL,

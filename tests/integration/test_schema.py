@@ -711,6 +711,32 @@ async def test_a_batch_of_running_marks_waits_for_a_finish_of_the_same_user(
     assert set(moved) == {first.id}, "the finished job stays finished"
 
 
+@pytest.mark.parametrize("ceiling", [None, 1])
+async def test_the_warm_up_walks_one_job_through_todays_entry_points(
+    db: Database, database_url: str, ceiling: int | None
+) -> None:
+    """A new connection's warm-up (aq_warm_up_v1, warm.sql) runs the functions the service
+    calls (reserve, admit, running mark, finish, wake-up) end to end: two jobs, the first
+    finished, the second promoted by that finish; rolled back, it leaves nothing behind. A
+    warm-up that fails is skipped without a word (store/database.py), so only this shows it."""
+    await db.set_ceiling(ceiling)
+    conn = await asyncpg.connect(database_url)
+    try:
+        tx = conn.transaction()
+        await tx.start()
+        steps = await conn.fetchval("SELECT aq_warm_up_v1()")
+        rows = await conn.fetch(
+            "SELECT status FROM analysis_jobs WHERE user_id = E'\\x01warm-up' ORDER BY queue_seq"
+        )
+        await tx.rollback()
+        left = await conn.fetchval("SELECT count(*) FROM analysis_jobs")
+    finally:
+        await conn.close()
+    assert steps == 2
+    assert [r["status"] for r in rows] == ["succeeded", "pending"]
+    assert left == 0
+
+
 async def test_the_dispatchers_running_marks_wait_for_a_busy_user_in_one_statement(
     db: Database, database_url: str
 ) -> None:
