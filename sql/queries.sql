@@ -20,16 +20,18 @@ SELECT r.item, r.outcome, (r.job).*, r.queue_position, r.promoted, r.asks_pass
   FROM aq_admit_v3($1, $2, $3) r;
 
 -- promote --
--- Fill free slots (aq_promote_v3): $1 users whose slot freed (may be empty); $2 at most.
--- -> the ceiling in force on every row, and the promoted jobs (one all-NULL job when none).
-SELECT p.ceiling, (p.job).*, NULL::bigint AS queue_position FROM aq_promote_v3($1, $2) p;
+-- Fill free slots (aq_promote_v4): $1 users whose slot freed (may be empty); $2 at most; $3 the
+-- instance that releases what it promotes, $4 its claim lease in seconds. -> the ceiling in
+-- force on every row, and the promoted jobs, claimed for $3 (one all-NULL job when none).
+SELECT p.ceiling, (p.job).*, NULL::bigint AS queue_position
+  FROM aq_promote_v4($1, $2, $3, $4) p;
 
 -- promote_woken --
--- A notification woke these users (aq_promote_woken_v1): $1 users, $2 at most. -> the ceiling
--- in force on every row, and jobs it promoted (promoted true) or found pending and unreleased
--- (false); one all-NULL job when none.
+-- A notification woke these users (aq_promote_woken_v2): $1 users, $2 at most, $3 and $4 the
+-- claim as for promote. -> the ceiling in force on every row, and jobs it promoted (promoted
+-- true, claimed for $3) or found pending and unreleased (false); one all-NULL job when none.
 SELECT w.ceiling, w.promoted, (w.job).*, NULL::bigint AS queue_position
-  FROM aq_promote_woken_v1($1, $2) w;
+  FROM aq_promote_woken_v2($1, $2, $3, $4) w;
 
 -- finish --
 -- Terminal moves and/or soft deletes, refunds, and the fill of what they free (aq_finish_v3):

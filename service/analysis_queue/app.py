@@ -276,8 +276,9 @@ def _make_services(
 ) -> Services:
     metrics = Metrics()
     followup = FollowUp(metrics)
-    # What a batch of admits or completions starts is claimed for this instance in the same
-    # transaction: it releases them at once, with no claim statement in between.
+    # What a batch of admits or completions, or a promotion, starts is claimed for this
+    # instance in the same transaction: it releases them at once, with no claim statement in
+    # between.
     claim = Claim(settings.instance_id, settings.claim_lease_s)
     finisher = Finisher(db, core, followup, metrics, claim)
     dispatcher = Dispatcher(
@@ -294,7 +295,7 @@ def _make_services(
         finisher,
         metrics,
     )
-    promoter = Promoter(db, followup)
+    promoter = Promoter(db, followup, claim=claim)
     followup.bind(releases=dispatcher, passes=promoter)
     sweeper = Sweeper(
         db,

@@ -386,7 +386,7 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class Woken:
-    """The answer of a wake-up (``aq_promote_woken_v1``)."""
+    """The answer of a wake-up (``aq_promote_woken_v2``)."""
 
     ceiling: int | None
     promoted: tuple[Job, ...]  # moved from queued to pending by the wake-up

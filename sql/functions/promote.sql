@@ -1,18 +1,25 @@
 -- promote: fill free slots, in admission order per user and in fair turns across users.
 --
 -- Who calls what (loops/promote.py decides when): a completion fills the slot it frees itself
--- (finish.sql); a promotion pass (aq_promote_v3) fills what is left, woken by a notification
--- (aq_promote_woken_v1), asked for by an admit, a cancel or a change of limit, or run by the
+-- (finish.sql); a promotion pass (aq_promote_v4) fills what is left, woken by a notification
+-- (aq_promote_woken_v2), asked for by an admit, a cancel or a change of limit, or run by the
 -- sweep. Locks: docs/locking.md. Every function here that starts a job writes it 'pending'
--- with promoted_at; the caller hands it to the dispatcher, which releases its held run.
+-- with promoted_at, claimed for p_instance when given (aq_claim_started_v1, release.sql); the
+-- caller hands it to the dispatcher, which releases its held run.
+
+-- Replaced by the versions below, which claim what they start.
+DROP FUNCTION IF EXISTS aq_promote_woken_v1(text[], integer);
+DROP FUNCTION IF EXISTS aq_promote_v3(text[], integer);
 
 -- A promotion pass, in its own transaction: the decision's locks for p_users
 -- (aq_lock_decision_v2: with the ceiling on, also the users next in turn for the free global
--- slots), then the one placement (aq_place_locked_v1), giving at most p_max global slots.
+-- slots), then the one placement (aq_place_locked_v1), giving at most p_max global slots; what
+-- it starts is claimed for p_instance (NULL: left unclaimed) for p_lease_s seconds.
 -- Returns the ceiling in force and, one per row, the jobs it started (one row with job NULL
 -- when none), so the caller learns the mode from every call.
-CREATE OR REPLACE FUNCTION aq_promote_v3(
-    p_users text[], p_max integer, OUT ceiling integer, OUT job analysis_jobs)
+CREATE OR REPLACE FUNCTION aq_promote_v4(
+    p_users text[], p_max integer, p_instance text, p_lease_s double precision,
+    OUT ceiling integer, OUT job analysis_jobs)
 RETURNS SETOF record
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 DECLARE
@@ -23,7 +30,7 @@ BEGIN
     ceiling := v_lock.ceiling;
     SELECT * INTO v_place FROM aq_place_locked_v1(
         v_lock.users, v_lock.ceiling, v_lock.allocates, p_max, '{}', '{}', '{}');
-    FOREACH job IN ARRAY v_place.promoted LOOP
+    FOREACH job IN ARRAY aq_claim_started_v1(v_place.promoted, p_instance, p_lease_s) LOOP
         RETURN NEXT;
     END LOOP;
     IF cardinality(v_place.promoted) = 0 THEN
@@ -35,7 +42,7 @@ $$;
 
 
 -- Whether a pass may start a job of p_user, as a wake-up reads it without a lock
--- (aq_promote_woken_v1): room (fewer active first-pass jobs than the limit) and a queued head
+-- (aq_promote_woken_v2): room (fewer active first-pass jobs than the limit) and a queued head
 -- that does not wait for the provider (with the ceiling on, its wait is stale); or, ceiling
 -- off, a delta still waiting for capacity.
 CREATE OR REPLACE FUNCTION aq_fillable_v1(p_user text, p_ceiling integer) RETURNS boolean
@@ -86,12 +93,13 @@ $$;
 -- pending jobs of p_users nobody is releasing. Reads without a lock first, so the usual wake
 -- (the change already filled its own slot, or freed none) costs a few index lookups and takes
 -- no lock; only users with room and a queued head that should move, or with the ceiling on a
--- free global slot and a ready job, go on to aq_promote_v3. Returns the ceiling in force and one
--- row per job: promoted by this call (promoted = true) or pending, unclaimed and due (false);
--- one row with job NULL when there is none. Simple statements per user, each planned once per
--- session: one query over the array was planned anew on every call (about 1 ms).
-CREATE OR REPLACE FUNCTION aq_promote_woken_v1(
-    p_users text[], p_max integer,
+-- free global slot and a ready job, go on to aq_promote_v4, which claims what it starts for
+-- p_instance. Returns the ceiling in force and one row per job: promoted by this call
+-- (promoted = true) or pending, unclaimed and due (false); one row with job NULL when there is
+-- none. Simple statements per user, each planned once per session: one query over the array
+-- was planned anew on every call (about 1 ms).
+CREATE OR REPLACE FUNCTION aq_promote_woken_v2(
+    p_users text[], p_max integer, p_instance text, p_lease_s double precision,
     OUT ceiling integer, OUT job analysis_jobs, OUT promoted boolean)
 RETURNS SETOF record
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
@@ -117,7 +125,7 @@ BEGIN
                          WHERE r.status = 'queued' AND r.waiting_for = 'provider_capacity')
             AND (SELECT count(*) FROM analysis_jobs a
                   WHERE a.status IN ('pending', 'running')) < ceiling) THEN
-        FOR v_row IN SELECT * FROM aq_promote_v3(v_users, p_max) LOOP
+        FOR v_row IN SELECT * FROM aq_promote_v4(v_users, p_max, p_instance, p_lease_s) LOOP
             ceiling := v_row.ceiling;
             CONTINUE WHEN (v_row.job).id IS NULL;
             job := v_row.job;

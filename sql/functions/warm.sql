@@ -38,7 +38,7 @@ BEGIN
             'from', ARRAY['pending', 'running'], 'error_code', NULL, 'error_detail', NULL,
             'verdicts', '[]'::jsonb, 'ran', true)),
         'warm-up', 1);
-    PERFORM aq_promote_woken_v1(ARRAY[v_user], 1);
+    PERFORM aq_promote_woken_v2(ARRAY[v_user], 1, NULL, NULL);
     FOR v_job IN SELECT * FROM analysis_jobs j WHERE j.user_id = v_user LOOP
         v_steps := v_steps + 1;
     END LOOP;

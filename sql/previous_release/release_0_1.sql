@@ -75,13 +75,13 @@ BEGIN
 END
 $$;
 
--- 0.1's promotion pass (queries.sql "promote"): aq_promote_v3.
+-- 0.1's promotion pass (queries.sql "promote"): aq_promote_v4, claiming nothing.
 CREATE OR REPLACE FUNCTION aq_promote_v2(
     p_users text[], p_max integer, OUT ceiling integer, OUT job analysis_jobs)
 RETURNS SETOF record
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
 BEGIN
-    RETURN QUERY SELECT p.ceiling, p.job FROM aq_promote_v3(p_users, p_max) p;
+    RETURN QUERY SELECT p.ceiling, p.job FROM aq_promote_v4(p_users, p_max, NULL, NULL) p;
 END
 $$;
 

@@ -155,11 +155,11 @@ async def cancel(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
 
 
 async def promotion_pass(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
-    await conn.fetch(Q["promote"], rng.sample(USERS, rng.randint(0, 2)), 64)
+    await conn.fetch(Q["promote"], rng.sample(USERS, rng.randint(0, 2)), 64, "inst-a", 60)
 
 
 async def wake_up(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
-    await conn.fetch(Q["promote_woken"], list(USERS), 64)
+    await conn.fetch(Q["promote_woken"], list(USERS), 64, "inst-a", 60)
 
 
 async def claim(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
@@ -211,8 +211,8 @@ async def stale_reservations(conn: asyncpg.Connection[Any], rng: random.Random) 
 async def sweep(conn: asyncpg.Connection[Any], rng: random.Random) -> None:
     """One sweep pass's statements, in its order (loops/sweep.py)."""
     for row in await conn.fetch(Q["sweep_users_to_promote"], 1000):
-        await conn.fetch(Q["promote"], [row["user_id"]], 64)
-    await conn.fetch(Q["promote"], [], 64)
+        await conn.fetch(Q["promote"], [row["user_id"]], 64, None, None)
+    await conn.fetch(Q["promote"], [], 64, None, None)
     await conn.fetch(Q["sweep_pending_due"], 1000)
     quiet = await conn.fetch(Q["sweep_running_quiet"], 0, 1000)
     await conn.execute(Q["job_mark_polled"], [r["id"] for r in quiet])

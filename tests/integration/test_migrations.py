@@ -177,8 +177,8 @@ async def test_a_fresh_install_and_an_upgrade_end_in_the_same_catalog(
         assert {
             "aq_admit_v3",
             "aq_finish_v3",
-            "aq_promote_v3",
-            "aq_promote_woken_v1",
+            "aq_promote_v4",
+            "aq_promote_woken_v2",
         } <= names_after
         assert {"aq_admit_v1", "aq_finish_v1", "aq_promote_v2"} <= names_before & names_after
         assert {name for name, *_ in a["repeatables"]} == {r.name for r in repeatables()}

@@ -20,10 +20,10 @@ import pytest
 from analysis_queue.core.client import CoreClient
 from analysis_queue.loops.dispatch import Dispatcher, DispatchSettings
 from analysis_queue.metrics import Metrics
-from analysis_queue.models import Admission, AdmitRequest, Job, ReserveRequest
+from analysis_queue.models import Admission, AdmitRequest, Job, JobStatus, ReserveRequest
 from analysis_queue.queue.finish import Finisher
 from analysis_queue.queue.followup import FollowUp
-from analysis_queue.store.database import Database
+from analysis_queue.store.database import Claim, Database
 from analysis_queue.store.listen import JOBS_CHANNEL
 from analysis_queue.store.sqlfiles import migrations, queries, repeatables
 from support import check_invariants, fetch, wait_for, wait_until_blocked
@@ -865,3 +865,46 @@ async def test_with_the_ceiling_on_a_completion_frees_its_slot_and_a_pass_gives_
     assert (rows[0]["status"], rows[0]["waiting_for"]) == ("queued", "provider_capacity")
     ceiling, promoted = await db.promote([], 64)
     assert ceiling == 1 and [j.id for j in promoted] == [waiting.id]
+
+
+async def test_a_promotion_claims_what_it_starts_for_the_instance_that_releases_it(
+    db: Database, database_url: str
+) -> None:
+    """A pass (ceiling on) and a wake-up (ceiling off) claim the jobs they start, in their own
+    transaction, for the instance named: its dispatcher releases them with no claim of its own
+    (loops/dispatch.py). Without a claim they are left for any instance to claim."""
+    await db.set_ceiling(1)
+    first, second = await _admit(db, "pass-claims"), await _admit(db, "pass-claims")
+    await db.finish(job_id=first.id, status="cancelled", from_statuses=("pending",), ran=False)
+    ceiling, promoted = await db.promote([], 64, Claim("inst-a", 60))
+    assert ceiling == 1
+    assert [(j.id, j.status, j.claimed_by) for j in promoted] == [
+        (second.id, JobStatus.PENDING, "inst-a")
+    ]
+    await db.set_ceiling(None)
+    third = await _admit(db, "pass-claims")
+    # A writer that does not take the locks ends the job: the wake-up fills the slot.
+    await fetch(
+        database_url,
+        "UPDATE analysis_jobs SET status = 'cancelled', finished_at = now(), user_slot = NULL,"
+        " global_slot = NULL, claimed_by = NULL, claim_expires_at = NULL WHERE id = $1",
+        second.id,
+    )
+    woken = await db.promote_woken(["pass-claims"], 64, Claim("inst-b", 60))
+    assert [(j.id, j.claimed_by) for j in woken.promoted] == [(third.id, "inst-b")]
+    rows = await fetch(
+        database_url,
+        "SELECT claimed_by, claim_expires_at > now() AS leased FROM analysis_jobs WHERE id = $1",
+        third.id,
+    )
+    assert (rows[0]["claimed_by"], rows[0]["leased"]) == ("inst-b", True)
+    fourth = await _admit(db, "pass-claims")
+    await fetch(
+        database_url,
+        "UPDATE analysis_jobs SET status = 'cancelled', finished_at = now(), user_slot = NULL,"
+        " global_slot = NULL, claimed_by = NULL, claim_expires_at = NULL WHERE id = $1",
+        third.id,
+    )
+    unclaimed = await db.promote_woken(["pass-claims"], 64)
+    assert [(j.id, j.claimed_by) for j in unclaimed.promoted] == [(fourth.id, None)]
+    await check_invariants(database_url)

@@ -6,7 +6,7 @@ and folds requests that arrive while one is in flight into one more call:
 - **A wake-up** (``wake(user)``: a notification says a job of the user left pending/running
   or became pending, committed by another instance or writer: this instance's own decisions
   were followed up where they were made). Wake-ups that arrive together go out
-  as one call (``aq_promote_woken_v1``) that reads without locks and only fills what the change
+  as one call (``aq_promote_woken_v2``) that reads without locks and only fills what the change
   left to fill: the usual one (a completion that already promoted its user's next job) costs
   one read. It also names the users' pending jobs that nobody is releasing. A few calls in
   flight per instance at most (one with the ceiling on); what arrives meanwhile forms the next.
@@ -18,7 +18,9 @@ and folds requests that arrive while one is in flight into one more call:
 - **A user's slots** (``promote``): the sweep's repair of a user a notification missed.
 
 Every call returns the ceiling in force, so the instance learns a change of mode from its next
-promotion. What a call promoted goes to the follow-up (queue/followup.py).
+promotion. What a call promoted is claimed for this instance in the call's own transaction
+(``claim``) and goes to the follow-up (queue/followup.py): the dispatcher releases it with no
+claim statement in between.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Protocol
 from analysis_queue import errors
 from analysis_queue.models import Job, Woken
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
+from analysis_queue.store.database import Claim
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +45,31 @@ class PromotionStore(Protocol):
     """The database calls promotion makes (``store/database.Database``)."""
 
     async def promote(
-        self, user_ids: Sequence[str], limit: int
+        self, user_ids: Sequence[str], limit: int, claim: Claim | None = None
     ) -> tuple[int | None, list[Job]]: ...
 
-    async def promote_woken(self, user_ids: Sequence[str], limit: int) -> Woken: ...
+    async def promote_woken(
+        self, user_ids: Sequence[str], limit: int, claim: Claim | None = None
+    ) -> Woken: ...
 
     async def set_user_limit(self, user_id: str, max_running: int | None) -> list[Job]: ...
 
 
 class Promoter:
-    def __init__(self, db: PromotionStore, followup: FollowUp, *, concurrency: int = 8) -> None:
+    """``claim``: the instance that releases what its calls promote, which they claim for it in
+    their own transaction (None: left for the dispatcher to claim)."""
+
+    def __init__(
+        self,
+        db: PromotionStore,
+        followup: FollowUp,
+        *,
+        claim: Claim | None = None,
+        concurrency: int = 8,
+    ) -> None:
         self.db = db
         self.followup = followup
+        self.claim = claim
         self.ceiling: int | None = None  # as last seen by a promotion here
         self._sem = asyncio.Semaphore(concurrency)
         self._woken: set[str] = set()
@@ -110,7 +126,7 @@ class Promoter:
         """Fill the users' free slots (with the ceiling on: a pass that first re-derives their
         waits). One call to the database; what it promoted goes to the follow-up."""
         async with self._sem:
-            self.ceiling, jobs = await self.db.promote(user_ids, PASS_BATCH)
+            self.ceiling, jobs = await self.db.promote(user_ids, PASS_BATCH, self.claim)
         self._promoted(jobs, trigger)
         return jobs
 
@@ -155,7 +171,7 @@ class Promoter:
     async def _wake_once(self, users: list[str]) -> None:
         async with self._sem:
             self.wake_calls += 1
-            woken = await self.db.promote_woken(users, PASS_BATCH)
+            woken = await self.db.promote_woken(users, PASS_BATCH, self.claim)
         self.ceiling = woken.ceiling
         self.promotions += len(woken.promoted)
         self.followup.after(

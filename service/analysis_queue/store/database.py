@@ -422,11 +422,15 @@ class Database:
 
     # -- promotion and completion ------------------------------------------------------------
 
-    async def promote(self, user_ids: Sequence[str], limit: int) -> tuple[int | None, list[Job]]:
+    async def promote(
+        self, user_ids: Sequence[str], limit: int, claim: Claim | None = None
+    ) -> tuple[int | None, list[Job]]:
         """Fill free slots: the users' own (ceiling off), or the fairest after re-deriving the
-        users' waits (ceiling on: a pass). Returns the ceiling in force and the jobs promoted."""
+        users' waits (ceiling on: a pass). Returns the ceiling in force and the jobs promoted,
+        claimed for ``claim``'s instance in the same transaction."""
+        instance, lease_s = (claim.instance_id, claim.lease_s) if claim else (None, None)
         try:
-            rows = await self._fetch("promote", list(user_ids), limit)
+            rows = await self._fetch("promote", list(user_ids), limit, instance, lease_s)
         except asyncpg.UniqueViolationError:
             # A slot index refused a second holder: a writer that does not take the locks (a
             # manual fix) won. The index kept the invariant; the next pass sees the truth.
@@ -435,11 +439,15 @@ class Database:
         ceiling = rows[0]["ceiling"] if rows else None
         return ceiling, [Job.from_row(r) for r in rows if r["id"] is not None]
 
-    async def promote_woken(self, user_ids: Sequence[str], limit: int) -> Woken:
+    async def promote_woken(
+        self, user_ids: Sequence[str], limit: int, claim: Claim | None = None
+    ) -> Woken:
         """A notification woke these users: fill what it left free (a read without locks when
-        there is nothing to fill), and name their pending jobs nobody is releasing."""
+        there is nothing to fill; what it promotes is claimed for ``claim``'s instance), and
+        name their pending jobs nobody is releasing."""
+        instance, lease_s = (claim.instance_id, claim.lease_s) if claim else (None, None)
         try:
-            rows = await self._fetch("promote_woken", list(user_ids), limit)
+            rows = await self._fetch("promote_woken", list(user_ids), limit, instance, lease_s)
         except asyncpg.UniqueViolationError:
             log.warning("promotion lost to a slot index", extra={"users": list(user_ids)[:10]})
             return Woken(None, (), ())

@@ -15,6 +15,7 @@ from analysis_queue.loops.promote import PASS_BATCH, WAKE_CONCURRENCY, Promoter
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import Job, JobStatus, Woken
 from analysis_queue.queue.followup import FollowUp, Trigger
+from analysis_queue.store.database import Claim
 from support import make_job
 
 
@@ -28,6 +29,7 @@ class RecordingDatabase:
     def __init__(self, ceiling: int | None) -> None:
         self.ceiling = ceiling
         self.calls: list[tuple[str, list[str]]] = []
+        self.claims: list[Claim | None] = []  # the claim each promotion call was given
         self.gate = asyncio.Event()
         self.gate.set()
         self.batches: list[int] = []
@@ -37,13 +39,19 @@ class RecordingDatabase:
         n = self.batches.pop(0) if self.batches else 0
         return [_job() for _ in range(min(n, limit))]
 
-    async def promote(self, user_ids: Sequence[str], limit: int) -> tuple[int | None, list[Job]]:
+    async def promote(
+        self, user_ids: Sequence[str], limit: int, claim: Claim | None = None
+    ) -> tuple[int | None, list[Job]]:
         self.calls.append(("promote", list(user_ids)))
+        self.claims.append(claim)
         await self.gate.wait()
         return self.ceiling, self._promoted(limit)
 
-    async def promote_woken(self, user_ids: Sequence[str], limit: int) -> Woken:
+    async def promote_woken(
+        self, user_ids: Sequence[str], limit: int, claim: Claim | None = None
+    ) -> Woken:
         self.calls.append(("woken", list(user_ids)))
+        self.claims.append(claim)
         await self.gate.wait()
         unreleased, self.unreleased = tuple(self.unreleased), []
         return Woken(self.ceiling, tuple(self._promoted(limit)), unreleased)
@@ -180,3 +188,18 @@ async def test_wake_up_calls_in_flight_are_bounded() -> None:
     woken = sorted(u for _, users in db.calls for u in users)
     assert woken == sorted(f"user-{n}" for n in range(WAKE_CONCURRENCY + 3))
     assert len(db.calls) == WAKE_CONCURRENCY + 1, "what waited went out together"
+
+
+async def test_every_promotion_call_carries_the_instances_claim() -> None:
+    """What a pass or a wake-up starts is claimed in its own transaction for this instance."""
+    db = RecordingDatabase(ceiling=None)
+    metrics = Metrics()
+    followup = FollowUp(metrics)
+    claim = Claim("inst-a", 30.0)
+    promoter = Promoter(db, followup, claim=claim)
+    followup.bind(releases=RecordingDispatcher(), passes=promoter)
+    await promoter.run_pass(Trigger.SWEEP)
+    promoter.wake("alice")
+    await _settle(promoter)
+    assert [name for name, _ in db.calls] == ["promote", "woken"]
+    assert db.claims == [claim, claim]
