@@ -190,6 +190,7 @@ class Database:
         self.timeouts = DEFAULT_TIMEOUTS
         self._probe: asyncpg.Connection[Any] | None = None
         self._probing = asyncio.Lock()
+        self._closed = False
 
     @classmethod
     async def connect(
@@ -240,7 +241,11 @@ class Database:
         return db
 
     async def close(self) -> None:
-        probe, self._probe = self._probe, None
+        self._closed = True
+        # A readiness probe in flight may be opening its connection: wait for it (bounded by
+        # the probe's timeout), so that the connection it opens is closed here too.
+        async with self._probing:
+            probe, self._probe = self._probe, None
         if probe is not None:
             probe.terminate()
         try:
@@ -293,6 +298,8 @@ class Database:
         ``timeouts.probe_s``; a probe that fails drops its connection and the next one opens a
         new one."""
         async with self._probing:
+            if self._closed:
+                raise errors.DatabaseUnavailable("closed")
             try:
                 async with asyncio.timeout(self.timeouts.probe_s):
                     with wrap_errors():
