@@ -631,6 +631,14 @@ async def bench_drain(
 
             await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
             admitted_s = time.perf_counter() - started
+            # What admission left to run: the tail after it is this backlog at the ceiling.
+            backlog = (
+                await _rows(
+                    dsn,
+                    "SELECT count(*) AS n FROM analysis_jobs"
+                    " WHERE status IN ('queued', 'pending', 'running')",
+                )
+            )[0]["n"]
             await _wait_all_terminal(dsn, total, 600)
             wall = time.perf_counter() - started
             analyzer.cancel()
@@ -678,6 +686,7 @@ async def bench_drain(
         "jobs": total,
         "succeeded": succeeded,
         "admitted_in_s": admitted_s,
+        "open_when_admitted": backlog,
         "drained_in_s": wall,
         "jobs_per_s": total / wall,
         "max_concurrency_per_user": overlap,
@@ -1072,7 +1081,8 @@ def print_promotion(r: dict[str, Any]) -> None:
 def print_drain(r: dict[str, Any], label: str = "") -> None:
     print(f"\n3. Drain {label}, {r['instances']} instance(s)")
     print(
-        f"   {r['jobs']} jobs: admitted in {r['admitted_in_s']:.1f}s, all succeeded in {r['drained_in_s']:.1f}s "
+        f"   {r['jobs']} jobs: admitted in {r['admitted_in_s']:.1f}s ({r['open_when_admitted']} open), "
+        f"all succeeded in {r['drained_in_s']:.1f}s "
         f"= {r['jobs_per_s']:.0f} jobs/s; max concurrency per user {r['max_concurrency_per_user']}, "
         f"overall {r['max_active_overall']}; "
         f"peak RSS {r['peak_rss_mb']:.0f} MB"

@@ -123,7 +123,7 @@ $$;
 -- after its connection died, store/database.py SAFE_TO_REPEAT) and its user's balance, less
 -- what the earlier clicks debited, cover its cost ('insufficient_credits': a hold the previous
 -- release did not make); then every admitted job
--- is placed at once (aq_place_locked_v1), and each table is written once for the batch. The
+-- is placed at once (aq_place_locked_v2), and each table is written once for the batch. The
 -- jobs that start (the admitted and any the placement promoted) are claimed for p_instance,
 -- which releases them. One row per item; promoted (others' jobs) and asks_pass (capacity left
 -- for a pass) ride on the first admitted row.
@@ -147,8 +147,8 @@ BEGIN
         ARRAY(SELECT x.user_id FROM jsonb_to_recordset(p_items) x(user_id text)),
         aq_may_start_v1(p_items));
     SELECT * INTO v_checked FROM aq_admissible_locked_v1(p_items);
-    SELECT * INTO v_place FROM aq_place_locked_v1(
-        v_lock.users, v_lock.ceiling, v_lock.allocates, NULL,
+    SELECT * INTO v_place FROM aq_place_locked_v2(
+        v_lock.users, v_lock.ceiling, v_lock.allocates, NULL, NULL,
         v_checked.ids, v_checked.users, v_checked.deltas);
     IF cardinality(v_checked.ids) > 0 THEN
         DELETE FROM core_run_reservations c WHERE c.run_id = ANY (v_checked.runs);

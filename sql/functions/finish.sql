@@ -152,12 +152,42 @@ BEGIN
 END
 $$;
 
+-- The locks of p_users held, under G shared with the ceiling on (not p_allocates): which of
+-- the global slots p_freed, freed by this decision's completions, it gives out (no other
+-- decision can give these numbers out; at most what the ceiling leaves room for), and the
+-- users to place them among: p_users and the next in turn whose locks are free
+-- (aq_next_in_turn_v1, only tried; docs/locking.md). short: room is left that these slots do
+-- not fill (a freed number above a lowered ceiling, or a job that held none), for a pass.
+-- Otherwise (ceiling off, G exclusive, nothing freed): slots NULL, users p_users.
+CREATE OR REPLACE FUNCTION aq_hand_on_locked_v1(
+    p_freed integer[], p_ceiling integer, p_allocates boolean, p_users text[],
+    OUT slots integer[], OUT users text[], OUT short boolean)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_room integer;
+BEGIN
+    users := p_users;
+    short := false;
+    IF p_ceiling IS NULL OR p_allocates OR cardinality(p_freed) = 0 THEN
+        RETURN;
+    END IF;
+    v_room := p_ceiling - (SELECT count(*) FROM analysis_jobs a
+                            WHERE a.status IN ('pending', 'running'));
+    slots := ARRAY(SELECT f FROM unnest(p_freed) f
+                    WHERE f <= p_ceiling ORDER BY f LIMIT greatest(v_room, 0));
+    users := ARRAY(SELECT DISTINCT u FROM unnest(
+                       p_users || aq_next_in_turn_v1(cardinality(slots), p_users, true)) u
+                    ORDER BY u);
+    short := v_room > cardinality(slots);
+END
+$$;
+
 -- Finish a batch of jobs under the decision's locks (aq_lock_decision_v2) and fill what they
--- free with the one placement (aq_place_locked_v1, slots.sql): the users' next jobs. With the
--- ceiling on it holds G shared, as most decisions do, and gives out no global slot: their next
--- jobs wait ready, and it asks for a pass, which gives the freed slots to whoever's turn it is
--- (docs/locking.md). A report about a job that
--- this placement just started (Core ended its held run before the release) is then applied in
+-- free with the one placement (aq_place_locked_v2, slots.sql): the users' next jobs. With the
+-- ceiling on it holds G shared, as most decisions do, and hands the global slots it freed to
+-- whoever's turn it is, if it can take their user's lock without waiting; what it cannot give
+-- it asks a pass (G exclusive) to (docs/locking.md). A report about a job that this placement
+-- just started (Core ended its held run before the release) is then applied in
 -- a round of its own, as it would have been after the report that freed the slot. The jobs
 -- started are claimed for p_instance, which releases them. One row per item: outcome
 -- 'finished' or 'unknown' (no such job), the job after the call, its status before, whether
@@ -176,7 +206,9 @@ DECLARE
     v_ids uuid[];
     v_todo jsonb := p_items;
     v_ask boolean := false;
-    v_freed boolean := false;  -- a job left pending/running
+    v_users text[];
+    v_freed integer[];  -- the global slots a round freed
+    v_hand record;
     v_round integer := 0;
     -- The ends, one per item (the round that last applied it); the jobs started, by round.
     e_item integer[] := '{}';
@@ -198,8 +230,10 @@ BEGIN
           FROM jsonb_to_recordset(p_items) AS x(job_id uuid, core_run_id text));
     SELECT * INTO v_lock FROM aq_lock_decision_v2(
         ARRAY(SELECT j.user_id FROM analysis_jobs j WHERE j.id = ANY (v_ids)), false);
+    v_users := v_lock.users;
     WHILE v_todo IS NOT NULL LOOP
         v_round := v_round + 1;
+        v_freed := '{}';
         FOR e IN SELECT * FROM aq_end_jobs_locked_v1(v_todo) LOOP
             k := coalesce(array_position(e_item, e.item), cardinality(e_item) + 1);
             e_item[k] := e.item;  -- a later round's answer replaces the item's earlier one
@@ -208,15 +242,19 @@ BEGIN
             e_changed[k] := e.changed;
             e_refunded[k] := e.refunded;
             e_round[k] := v_round;
-            v_freed := v_freed OR (e.changed AND e.old_status IN ('pending', 'running'));
+            IF e.changed AND e.old_status IN ('pending', 'running') THEN
+                v_freed := v_freed || (e.job).global_slot;
+            END IF;
         END LOOP;
-        SELECT * INTO v_place FROM aq_place_locked_v1(
-            v_lock.users, v_lock.ceiling, v_lock.allocates, NULL, '{}', '{}', '{}');
+        SELECT * INTO v_hand FROM aq_hand_on_locked_v1(
+            v_freed, v_lock.ceiling, v_lock.allocates, v_users);
+        v_users := v_hand.users;
+        SELECT * INTO v_place FROM aq_place_locked_v2(
+            v_users, v_lock.ceiling, v_lock.allocates OR v_hand.slots IS NOT NULL, NULL,
+            v_hand.slots, '{}', '{}', '{}');
         s_job := s_job || v_place.promoted;
         s_round := s_round || array_fill(v_round, ARRAY[cardinality(v_place.promoted)]);
-        -- With the ceiling on, a freed global slot is given out by a pass (G exclusive).
-        v_ask := v_place.asks_pass
-                 OR (v_lock.ceiling IS NOT NULL AND NOT v_lock.allocates AND v_freed);
+        v_ask := v_ask OR v_hand.short OR v_place.asks_pass;
         -- The items that found their job still queued, now started by this placement.
         v_todo := (SELECT jsonb_agg(t.e) FROM jsonb_array_elements(v_todo) t(e)
                     WHERE EXISTS (SELECT 1 FROM unnest(v_place.promoted) p

@@ -59,7 +59,7 @@ $$;
 -- fair order for the free slots are locked too, in the same sorted pass, so that the placement
 -- can give a slot to whoever's turn it is. Every other decision holds G shared and gives out
 -- none: decisions about different users run side by side, and what one leaves to give out
--- asks for a pass (aq_place_locked_v1), as when the ceiling was turned on while it waited
+-- asks for a pass (aq_place_locked_v2), as when the ceiling was turned on while it waited
 -- (G cannot be upgraded without a deadlock). Returns the ceiling in force, whether the
 -- decision allocates, and every user it locked.
 DROP FUNCTION IF EXISTS aq_lock_decision_v1(text[], uuid[]);
@@ -67,10 +67,6 @@ CREATE OR REPLACE FUNCTION aq_lock_decision_v2(
     p_users text[], p_allocates boolean,
     OUT ceiling integer, OUT allocates boolean, OUT users text[])
 LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_give integer;
-    v_next record;
-    v_counted text[] := '{}';
 BEGIN
     users := ARRAY(SELECT DISTINCT u FROM unnest(p_users) u WHERE u IS NOT NULL);
     IF aq_ceiling_v2() IS NULL OR NOT p_allocates THEN
@@ -84,24 +80,53 @@ BEGIN
     END IF;
     IF ceiling IS NOT NULL AND allocates THEN
         -- Under G exclusive no slot fills and no job becomes ready but by this transaction.
-        SELECT ceiling - count(*) INTO v_give
-          FROM analysis_jobs a WHERE a.status IN ('pending', 'running');
-        -- In turn order, one entry per delta and per user's first ready job.
-        FOR v_next IN
-            SELECT q.user_id, NOT aq_first_pass_v1(q.delta_of_job_id) AS delta
-              FROM analysis_jobs q
-             WHERE q.status = 'queued' AND q.waiting_for = 'provider_capacity'
-             ORDER BY q.turn_key, q.queue_seq
-        LOOP
-            EXIT WHEN v_give <= 0;
-            CONTINUE WHEN NOT v_next.delta AND v_next.user_id = ANY (v_counted);
-            v_give := v_give - 1;
-            v_counted := v_counted || v_next.user_id;
-            users := users || v_next.user_id;
-        END LOOP;
+        users := users || aq_next_in_turn_v1(
+            (SELECT ceiling - count(*) FROM analysis_jobs a
+              WHERE a.status IN ('pending', 'running'))::integer, users, false);
     END IF;
     users := ARRAY(SELECT DISTINCT u FROM unnest(users) u ORDER BY u);
     PERFORM aq_lock_users_v1(users);
+END
+$$;
+
+-- The users next in the fair order for p_give global slots (slots.sql, "Fair turns"), one
+-- per waiting delta and per user's first ready job: for a holder of G exclusive, to wait for
+-- with its own users in the sorted pass (aq_lock_decision_v2); with p_try, for a holder of G
+-- shared that hands on the slots its completions freed (aq_finish_v3): each user not in
+-- p_held is only tried, and one whose lock another decision holds is passed over (that
+-- decision may be placing their jobs; whoever frees a slot later reaches them, or a pass).
+-- Trying never waits, so it takes no lock out of order.
+CREATE OR REPLACE FUNCTION aq_next_in_turn_v1(p_give integer, p_held text[], p_try boolean)
+RETURNS text[]
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_next record;
+    v_give integer := p_give;
+    v_counted text[] := '{}';
+    v_busy text[] := '{}';
+BEGIN
+    IF v_give <= 0 THEN
+        RETURN v_counted;
+    END IF;
+    FOR v_next IN
+        SELECT q.user_id, NOT aq_first_pass_v1(q.delta_of_job_id) AS delta
+          FROM analysis_jobs q
+         WHERE q.status = 'queued' AND q.waiting_for = 'provider_capacity'
+         ORDER BY q.turn_key, q.queue_seq
+    LOOP
+        EXIT WHEN v_give <= 0 OR cardinality(v_busy) > 2 * p_give + 8;  -- a bounded walk
+        CONTINUE WHEN v_next.user_id = ANY (v_busy)
+                   OR (NOT v_next.delta AND v_next.user_id = ANY (v_counted));
+        IF p_try AND NOT v_next.user_id = ANY (p_held)
+           AND NOT v_next.user_id = ANY (v_counted)
+           AND NOT pg_try_advisory_xact_lock(aq_user_lock_key_v1(v_next.user_id)) THEN
+            v_busy := v_busy || v_next.user_id;
+            CONTINUE;
+        END IF;
+        v_give := v_give - 1;
+        v_counted := v_counted || v_next.user_id;
+    END LOOP;
+    RETURN v_counted;
 END
 $$;
 

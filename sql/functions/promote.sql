@@ -13,7 +13,7 @@ DROP FUNCTION IF EXISTS aq_promote_v3(text[], integer);
 
 -- A promotion pass, in its own transaction: the decision's locks for p_users
 -- (aq_lock_decision_v2: with the ceiling on, also the users next in turn for the free global
--- slots), then the one placement (aq_place_locked_v1), giving at most p_max global slots; what
+-- slots), then the one placement (aq_place_locked_v2), giving at most p_max global slots; what
 -- it starts is claimed for p_instance (NULL: left unclaimed) for p_lease_s seconds.
 -- Returns the ceiling in force and, one per row, the jobs it started (one row with job NULL
 -- when none), so the caller learns the mode from every call.
@@ -28,8 +28,8 @@ DECLARE
 BEGIN
     SELECT * INTO v_lock FROM aq_lock_decision_v2(p_users, true);
     ceiling := v_lock.ceiling;
-    SELECT * INTO v_place FROM aq_place_locked_v1(
-        v_lock.users, v_lock.ceiling, v_lock.allocates, p_max, '{}', '{}', '{}');
+    SELECT * INTO v_place FROM aq_place_locked_v2(
+        v_lock.users, v_lock.ceiling, v_lock.allocates, p_max, NULL, '{}', '{}', '{}');
     FOREACH job IN ARRAY aq_claim_started_v1(v_place.promoted, p_instance, p_lease_s) LOOP
         RETURN NEXT;
     END LOOP;
@@ -165,7 +165,7 @@ END
 $$;
 
 -- Set a user's concurrency (NULL: back to the default of 1) under the decision's locks, and
--- place the user's queue again (aq_place_locked_v1): a raise starts what it allows, a cut
+-- place the user's queue again (aq_place_locked_v2): a raise starts what it allows, a cut
 -- leaves what runs running and queues the rest. Returns the jobs it started.
 CREATE OR REPLACE FUNCTION aq_set_user_limit_v1(p_user_id text, p_max_running integer)
 RETURNS SETOF analysis_jobs
@@ -182,8 +182,8 @@ BEGIN
         ON CONFLICT (user_id) DO UPDATE
             SET max_running = EXCLUDED.max_running, updated_at = clock_timestamp();
     END IF;
-    SELECT * INTO v_place FROM aq_place_locked_v1(
-        v_lock.users, v_lock.ceiling, v_lock.allocates, NULL, '{}', '{}', '{}');
+    SELECT * INTO v_place FROM aq_place_locked_v2(
+        v_lock.users, v_lock.ceiling, v_lock.allocates, NULL, NULL, '{}', '{}', '{}');
     RETURN QUERY SELECT * FROM unnest(v_place.promoted);
 END
 $$;

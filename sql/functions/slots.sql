@@ -13,7 +13,7 @@
 -- waited longest since their last start. Starting a job moves the user's other ready jobs to
 -- turn_key = now, behind everyone waiting: round robin. Deltas wait with turn_key -infinity,
 -- ahead of every first-pass job, oldest first. One function decides all of it for a set of
--- users: aq_place_locked_v1, below.
+-- users: aq_place_locked_v2, below.
 
 -- First pass: a job that is not a delta re-check. Only first-pass jobs hold user slots and
 -- wait in their user's queue; a delta never queues behind them nor blocks them. Every query
@@ -177,13 +177,16 @@ END
 $$;
 
 -- Locks held for p_users (aq_lock_decision_v2): place their queued jobs and the new jobs
--- p_new_* by the rule above, giving out at most p_max global slots when p_allocates. Writes
--- the queued jobs whose place changes and the turns of the users who started a job (ceiling
--- on). Returns the jobs it started, the new jobs' places in order (the caller inserts them),
--- and whether capacity is left that a pass must give out (a ceiling turned on meanwhile, or
--- a ready user this decision did not lock).
-CREATE OR REPLACE FUNCTION aq_place_locked_v1(
-    p_users text[], p_ceiling integer, p_allocates boolean, p_max integer,
+-- p_new_* by the rule above, giving out at most p_max global slots when p_allocates: the
+-- lowest free numbers (G exclusive), or, given p_slots, those (numbers its own completions
+-- freed, under G shared: aq_finish_v3). Writes the queued jobs whose place changes and the
+-- turns of the users who started a job (ceiling on). Returns the jobs it started, the new
+-- jobs' places in order (the caller inserts them), and whether capacity is left that a pass
+-- must give out (a ceiling turned on meanwhile, or a ready user this decision did not lock).
+DROP FUNCTION IF EXISTS aq_place_locked_v1(
+    text[], integer, boolean, integer, uuid[], text[], boolean[]);
+CREATE OR REPLACE FUNCTION aq_place_locked_v2(
+    p_users text[], p_ceiling integer, p_allocates boolean, p_max integer, p_slots integer[],
     p_new_ids uuid[], p_new_users text[], p_new_deltas boolean[],
     OUT promoted analysis_jobs[], OUT new_status text[], OUT new_user_slot integer[],
     OUT new_global_slot integer[], OUT new_wait text[], OUT new_turn timestamptz[],
@@ -194,7 +197,9 @@ DECLARE
     v_slots integer[] := '{}';
     m record;
 BEGIN
-    IF p_ceiling IS NOT NULL AND p_allocates THEN  -- the lowest free numbers
+    IF p_ceiling IS NOT NULL AND p_allocates AND p_slots IS NOT NULL THEN
+        v_slots := p_slots;
+    ELSIF p_ceiling IS NOT NULL AND p_allocates THEN  -- the lowest free numbers
         v_slots := ARRAY(
             SELECT s FROM generate_series(1, p_ceiling) s
              WHERE s <> ALL (ARRAY(SELECT a.global_slot FROM analysis_jobs a

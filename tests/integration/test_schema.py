@@ -807,8 +807,8 @@ async def test_with_the_ceiling_full_a_newcomers_click_queues_beside_other_decis
 ) -> None:
     """With every global slot taken, a newcomer's click cannot start: it holds the global lock
     shared, is admitted beside another shared holder, waits for provider capacity, and asks for
-    no pass (whoever frees a slot asks). The completion that frees the slot asks for one, and
-    that pass starts the newcomer's job."""
+    no pass (whoever frees a slot gives it on). The completion that frees the slot starts the
+    newcomer's job itself, and leaves nothing for a pass."""
     await db.set_ceiling(1)
     full = await _admit(db, "holds-the-slot")
     assert full.status == "pending"
@@ -829,17 +829,21 @@ async def test_with_the_ceiling_full_a_newcomers_click_queues_beside_other_decis
     finished = await db.finish(
         job_id=full.id, status="succeeded", from_statuses=("running",), ran=True
     )
-    assert finished is not None and finished.asks_pass
-    ceiling, promoted = await db.promote([], 64)
-    assert ceiling == 1 and [j.id for j in promoted] == [clicked.job.id]
+    assert finished is not None and not finished.asks_pass
+    assert [j.id for j in finished.promoted] == [clicked.job.id]
+    rows = await fetch(
+        database_url, "SELECT global_slot FROM analysis_jobs WHERE id = $1", clicked.job.id
+    )
+    assert rows[0]["global_slot"] == 1
+    assert await db.promote([], 64) == (1, [])
 
 
-async def test_with_the_ceiling_on_a_completion_frees_its_slot_and_a_pass_gives_it_out(
+async def test_with_the_ceiling_on_a_completion_hands_its_slot_on_beside_other_decisions(
     db: Database, database_url: str
 ) -> None:
-    """With the ceiling on, a completion holds the global lock shared like the clicks: it frees
-    the job's slots, leaves the user's next job ready and asks for a pass; the pass (the global
-    lock exclusively) gives the slot to whoever's turn it is, here that next job."""
+    """With the ceiling on, a completion holds the global lock shared like the clicks, so it
+    runs beside another shared holder: it frees the job's slots and gives the global one it
+    freed to whoever's turn it is, here the user's own next job; no pass is needed."""
     await db.set_ceiling(1)
     done, waiting = await _admit(db, "turns"), await _admit(db, "turns")
     assert waiting.status == "queued"
@@ -857,14 +861,63 @@ async def test_with_the_ceiling_on_a_completion_frees_its_slot_and_a_pass_gives_
         await tx.commit()
     finally:
         await holder.close()
-    assert finished is not None and finished.changed
-    assert finished.promoted == () and finished.asks_pass
+    assert finished is not None and finished.changed and not finished.asks_pass
+    assert [j.id for j in finished.promoted] == [waiting.id]
+    await check_invariants(database_url)
+
+
+async def test_a_completion_gives_its_slot_to_whoever_waited_longest_not_its_own_user(
+    db: Database, database_url: str
+) -> None:
+    """Fair turns hold when a completion hands its slot on: a user who has been waiting since
+    before the finishing user last started gets the slot, and the finishing user's next job
+    waits its turn."""
+    await db.set_ceiling(1)
+    done = await _admit(db, "a-finisher")
+    longest = await _admit(db, "b-waited-longest")
+    behind = await _admit(db, "a-finisher")
+    assert (longest.status, behind.status) == ("queued", "queued")
+    assert set(await db.claim([done.id], "inst-a", 60)) == {done.id}
+    finished = await db.finish(
+        job_id=done.id, status="cancelled", from_statuses=("pending",), ran=False
+    )
+    assert finished is not None and not finished.asks_pass
+    assert [j.id for j in finished.promoted] == [longest.id]
     rows = await fetch(
-        database_url, "SELECT status, waiting_for FROM analysis_jobs WHERE id = $1", waiting.id
+        database_url, "SELECT status, waiting_for FROM analysis_jobs WHERE id = $1", behind.id
     )
     assert (rows[0]["status"], rows[0]["waiting_for"]) == ("queued", "provider_capacity")
+    await check_invariants(database_url)
+
+
+async def test_a_completion_passes_over_a_user_whose_lock_is_busy_and_asks_for_a_pass(
+    db: Database, database_url: str
+) -> None:
+    """A completion holding the global lock shared only tries the lock of the user whose turn
+    it is (waiting could close a cycle with the sorted order): when another decision holds it,
+    the slot goes to the next in turn; when nobody else waits, the completion asks for a pass,
+    which gives the slot once the busy decision has committed."""
+    await db.set_ceiling(1)
+    done = await _admit(db, "a-finisher")
+    busy = await _admit(db, "b-busy")
+    assert busy.status == "queued"
+    assert set(await db.claim([done.id], "inst-a", 60)) == {done.id}
+    holder = await asyncpg.connect(database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT aq_lock_user_v1('b-busy')")
+        finished = await asyncio.wait_for(
+            db.finish(job_id=done.id, status="cancelled", from_statuses=("pending",), ran=False),
+            5,
+        )
+        assert finished is not None and finished.promoted == () and finished.asks_pass
+        await tx.commit()
+    finally:
+        await holder.close()
     ceiling, promoted = await db.promote([], 64)
-    assert ceiling == 1 and [j.id for j in promoted] == [waiting.id]
+    assert ceiling == 1 and [j.id for j in promoted] == [busy.id]
+    await check_invariants(database_url)
 
 
 async def test_a_promotion_claims_what_it_starts_for_the_instance_that_releases_it(
@@ -874,10 +927,11 @@ async def test_a_promotion_claims_what_it_starts_for_the_instance_that_releases_
     transaction, for the instance named: its dispatcher releases them with no claim of its own
     (loops/dispatch.py). Without a claim they are left for any instance to claim."""
     await db.set_ceiling(1)
-    first, second = await _admit(db, "pass-claims"), await _admit(db, "pass-claims")
-    await db.finish(job_id=first.id, status="cancelled", from_statuses=("pending",), ran=False)
+    first, second = await _admit(db, "pass-holder"), await _admit(db, "pass-claims")
+    assert (first.status, second.status) == ("pending", "queued")
+    await db.set_ceiling(2)  # a raise: the slot it frees is a pass's to give
     ceiling, promoted = await db.promote([], 64, Claim("inst-a", 60))
-    assert ceiling == 1
+    assert ceiling == 2
     assert [(j.id, j.status, j.claimed_by) for j in promoted] == [
         (second.id, JobStatus.PENDING, "inst-a")
     ]

@@ -81,7 +81,8 @@ class Finisher:
     def _followed(self, result: Finish) -> None:
         if not result.changed:
             return
-        # Capacity the finish could not give out (a ceiling turned on meanwhile): a pass.
+        # Capacity the finish could not give out (the user next in turn was busy, or a ceiling
+        # turned on meanwhile): a pass.
         asks_pass = Trigger.TAIL if result.asks_pass else None
         self.followup.after(
             Decision(
@@ -226,7 +227,8 @@ class Finisher:
             error_detail="Cancelled by the user.",
         )
         if result is not None and result.changed:
-            # Capacity the cancel could not give out (a ceiling turned on meanwhile): a pass.
+            # Capacity the cancel could not give out (the user next in turn was busy, or a
+            # ceiling turned on meanwhile): a pass.
             asks_pass = Trigger.CANCEL if result.asks_pass else None
             self.followup.after(
                 Decision(
