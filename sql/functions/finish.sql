@@ -156,8 +156,9 @@ $$;
 -- the global slots p_freed, freed by this decision's completions, it gives out (no other
 -- decision can give these numbers out; at most what the ceiling leaves room for), and the
 -- users to place them among: p_users and the next in turn whose locks are free
--- (aq_next_in_turn_v1, only tried; docs/locking.md). short: room is left that these slots do
--- not fill (a freed number above a lowered ceiling, or a job that held none), for a pass.
+-- (aq_next_in_turn_v1, only tried; docs/locking.md). short: room these completions made is
+-- left that their numbers do not fill (a number above a lowered ceiling, or a job that held
+-- none), for a pass; room that was free before is whoever left it's to ask for.
 -- Otherwise (ceiling off, G exclusive, nothing freed): slots NULL, users p_users.
 CREATE OR REPLACE FUNCTION aq_hand_on_locked_v1(
     p_freed integer[], p_ceiling integer, p_allocates boolean, p_users text[],
@@ -178,7 +179,7 @@ BEGIN
     users := ARRAY(SELECT DISTINCT u FROM unnest(
                        p_users || aq_next_in_turn_v1(cardinality(slots), p_users, true)) u
                     ORDER BY u);
-    short := v_room > cardinality(slots);
+    short := cardinality(slots) < least(greatest(v_room, 0), cardinality(p_freed));
 END
 $$;
 
