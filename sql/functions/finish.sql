@@ -220,6 +220,7 @@ DECLARE
     e_round integer[] := '{}';
     s_job analysis_jobs[] := '{}';
     s_round integer[] := '{}';
+    s_to integer[];  -- the end each started job goes with (aq_given_to_v1)
     e record;
     k integer;
 BEGIN
@@ -263,6 +264,9 @@ BEGIN
                                       OR p.core_run_id = t.e ->> 'core_run_id'));
     END LOOP;
     s_job := aq_claim_started_v1(s_job, p_instance, p_lease_s);
+    s_to := ARRAY(SELECT aq_given_to_v1(e_item, e_job, e_changed, e_round, s_round[j],
+                                        (s_job[j]).user_id)
+                    FROM generate_subscripts(s_job, 1) j ORDER BY j);
     FOR k IN SELECT i FROM generate_subscripts(e_item, 1) i ORDER BY e_item[i] LOOP
         item := e_item[k];
         job := e_job[k];
@@ -271,10 +275,7 @@ BEGIN
         changed := e_changed[k];
         refunded := e_refunded[k];
         promoted := ARRAY(SELECT s_job[j] FROM generate_subscripts(s_job, 1) j
-                           WHERE s_round[j] = e_round[k]
-                             AND k = aq_given_to_v1(e_item, e_job, e_changed, e_round,
-                                                    s_round[j], (s_job[j]).user_id)
-                           ORDER BY j);
+                           WHERE s_to[j] = k ORDER BY j);
         asks_pass := v_ask AND item = (SELECT min(i) FROM unnest(e_item) i);
         RETURN NEXT;
     END LOOP;
