@@ -181,6 +181,11 @@ async def test_the_stream_survives_a_sigkill_and_restart_of_its_instance(cluster
     async with follower, writer, follower.events() as stream:
         reader = Reader(stream)
         reading = asyncio.create_task(reader.run())
+
+        async def snapshot_read() -> bool:  # the stream is open before the first click
+            return bool(reader.events)
+
+        await _until("the stream's snapshot", snapshot_read)
         stop, counts = asyncio.Event(), {"admitted": 0, "cancelled": 0}
         loading = asyncio.create_task(_load(writer, stop, counts))
 
