@@ -13,8 +13,11 @@
 -- flight (in_progress, or key_reused), else nothing (outcome NULL).
 CREATE OR REPLACE FUNCTION aq_key_seen_v1(
     p_user text, p_key text, p_hash text, OUT outcome text, OUT job_id uuid)
-LANGUAGE sql STABLE AS $$
-    SELECT k.outcome, k.job_id FROM (
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    -- PL/pgSQL, not SQL: called per keyed click, it keeps its plan for the session (a SQL
+    -- function here is planned again on every call, eight times the cost).
+    SELECT k.outcome, k.job_id INTO outcome, job_id FROM (
         SELECT 1 AS rank, j.id AS job_id,
                CASE WHEN j.request_hash = p_hash THEN 'existing' ELSE 'key_reused' END AS outcome
           FROM analysis_jobs j WHERE j.user_id = p_user AND j.idempotency_key = p_key
@@ -22,7 +25,8 @@ LANGUAGE sql STABLE AS $$
         SELECT 2, NULL,
                CASE WHEN c.request_hash = p_hash THEN 'in_progress' ELSE 'key_reused' END
           FROM core_run_reservations c WHERE c.user_id = p_user AND c.idempotency_key = p_key
-    ) k ORDER BY k.rank LIMIT 1
+    ) k ORDER BY k.rank LIMIT 1;
+END
 $$;
 
 -- Reserve run ids before Core is asked for held runs: per click, in item order, resolve its
@@ -38,7 +42,7 @@ $$;
 -- key_reused | insufficient_credits; balance: what was left to hold, on a refusal.
 CREATE OR REPLACE FUNCTION aq_reserve_v2(p_items jsonb)
 RETURNS TABLE (item integer, outcome text, job_id uuid, balance bigint)
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     r record;
     v_users text[];
@@ -133,7 +137,7 @@ CREATE OR REPLACE FUNCTION aq_admit_v3(
     p_items jsonb, p_instance text, p_lease_s double precision)
 RETURNS TABLE (item integer, outcome text, job analysis_jobs, queue_position bigint,
                promoted analysis_jobs[], asks_pass boolean)
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_lock record;
     v_place record;

@@ -7,7 +7,7 @@
 -- Grant credits (admin). Returns the new balance.
 CREATE OR REPLACE FUNCTION aq_credit_grant_v1(p_user_id text, p_amount bigint, p_note text)
 RETURNS bigint
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_balance bigint;
 BEGIN

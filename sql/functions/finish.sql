@@ -200,7 +200,7 @@ CREATE OR REPLACE FUNCTION aq_finish_v3(
     p_items jsonb, p_instance text, p_lease_s double precision)
 RETURNS TABLE (item integer, outcome text, job analysis_jobs, old_status text, changed boolean,
                refunded boolean, promoted analysis_jobs[], asks_pass boolean)
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_lock record;
     v_place record;

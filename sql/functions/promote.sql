@@ -21,7 +21,7 @@ CREATE OR REPLACE FUNCTION aq_promote_v4(
     p_users text[], p_max integer, p_instance text, p_lease_s double precision,
     OUT ceiling integer, OUT job analysis_jobs)
 RETURNS SETOF record
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_lock record;
     v_place record;
@@ -102,7 +102,7 @@ CREATE OR REPLACE FUNCTION aq_promote_woken_v2(
     p_users text[], p_max integer, p_instance text, p_lease_s double precision,
     OUT ceiling integer, OUT job analysis_jobs, OUT promoted boolean)
 RETURNS SETOF record
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_user text;
     v_users text[] := '{}';
@@ -154,7 +154,7 @@ $$;
 -- Set the ceiling (NULL: off). Waits for every decision in flight under the old value. The
 -- caller then runs promotion passes to fill what a raise (or turning it off) freed.
 CREATE OR REPLACE FUNCTION aq_set_ceiling_v1(p_ceiling integer) RETURNS integer
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     PERFORM aq_lock_global_v1();
     UPDATE queue_settings
@@ -169,7 +169,7 @@ $$;
 -- leaves what runs running and queues the rest. Returns the jobs it started.
 CREATE OR REPLACE FUNCTION aq_set_user_limit_v1(p_user_id text, p_max_running integer)
 RETURNS SETOF analysis_jobs
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_lock record;
     v_place record;

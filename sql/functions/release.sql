@@ -12,7 +12,7 @@
 -- table's CHECK constraints once per statement that writes it.
 CREATE OR REPLACE FUNCTION aq_mark_running_v3(p_job_ids uuid[], p_instance text)
 RETURNS TABLE (job_id uuid)
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     PERFORM aq_lock_global_shared_v1();
     PERFORM aq_lock_users_v1(ARRAY(
@@ -38,7 +38,7 @@ $$;
 CREATE OR REPLACE FUNCTION aq_claim_v1(
     p_job_ids uuid[], p_instance text, p_lease_s double precision)
 RETURNS SETOF analysis_jobs
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     RETURN QUERY
     UPDATE analysis_jobs j

@@ -272,10 +272,15 @@ $$;
 -- Where a job stands in its user's queue: 1 for the next to start, NULL when it does not wait
 -- there (pending, running, ended, or a delta, which never queues).
 CREATE OR REPLACE FUNCTION aq_queue_position_v1(p_job analysis_jobs)
-RETURNS bigint LANGUAGE sql STABLE AS $$
-    SELECT CASE WHEN p_job.status = 'queued' AND aq_first_pass_v1(p_job.delta_of_job_id) THEN
-               (SELECT count(*) FROM analysis_jobs q
-                 WHERE q.user_id = p_job.user_id AND q.status = 'queued'
-                   AND aq_first_pass_v1(q.delta_of_job_id)
-                   AND q.queue_seq <= p_job.queue_seq) END
+RETURNS bigint LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    -- PL/pgSQL, so the count's plan is kept for the session (called per admitted click).
+    IF p_job.status IS DISTINCT FROM 'queued' OR NOT aq_first_pass_v1(p_job.delta_of_job_id) THEN
+        RETURN NULL;
+    END IF;
+    RETURN (SELECT count(*) FROM analysis_jobs q
+             WHERE q.user_id = p_job.user_id AND q.status = 'queued'
+               AND aq_first_pass_v1(q.delta_of_job_id)
+               AND q.queue_seq <= p_job.queue_seq);
+END
 $$;

@@ -9,7 +9,7 @@
 -- subject has no control characters (http/auth.py).
 
 CREATE OR REPLACE FUNCTION aq_warm_up_v1() RETURNS integer
-LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' AS $$
+LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_user text := E'\x01warm-up';
     v_runs uuid[] := ARRAY[gen_random_uuid(), gen_random_uuid()];

@@ -328,6 +328,24 @@ async def test_every_pair_of_operations_runs_without_deadlock_or_lock_timeout(
     await check_invariants(database_url)
 
 
+async def test_every_decision_the_queries_call_keeps_generic_plans(database_url: str) -> None:
+    """docs/locking.md, "The bound": each decision a named query calls (every VOLATILE one)
+    declares ``plan_cache_mode = force_generic_plan``, which its nested functions inherit: a
+    custom plan of their CTE queries is planned again on every call, four times the cost."""
+    called = sorted({name for sql in Q.values() for name in re.findall(r"\b(aq_\w+)\s*\(", sql)})
+    rows = await fetch(
+        database_url,
+        """SELECT p.proname, coalesce(p.proconfig, '{}') AS config
+             FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'public' AND p.proname = ANY ($1::text[]) AND p.provolatile = 'v'""",
+        called,
+    )
+    assert len(rows) >= 8, rows
+    assert [
+        r["proname"] for r in rows if "plan_cache_mode=force_generic_plan" not in r["config"]
+    ] == []
+
+
 async def test_every_function_the_queries_call_bounds_its_own_lock_waits(database_url: str) -> None:
     """docs/locking.md, "The bound": each function a named query calls that can wait for a lock
     (every VOLATILE one) declares ``lock_timeout`` itself, so the bound holds however its caller
