@@ -260,6 +260,9 @@ class Harness:
         return await asyncpg.connect(self.database_url)
 
     async def close(self) -> None:
+        # Core's callbacks first: a connection accepted while an instance stops could escape
+        # its shutdown and be left open when the test's loop closes.
+        await self.sim.quiesce()
         for instance in list(self.instances):
             await instance.stop()
         self.instances.clear()

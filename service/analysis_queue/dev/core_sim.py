@@ -333,13 +333,19 @@ class CoreSimulator:
         # Port 0 means "any": remember the one we got so go_online can come back on it.
         self._port = int(self._runner.addresses[0][1])
 
-    async def stop(self) -> None:
+    async def quiesce(self) -> None:
+        """Stop judging and calling back; the runs stay as they are and Core still answers.
+        A harness does this first when it tears down, so that no callback is connecting to a
+        service instance while that instance stops."""
         tasks = [*self._judging.values(), *self._deliveries]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._judging.clear()
         self._deliveries.clear()
+
+    async def stop(self) -> None:
+        await self.quiesce()
         runner, self._runner, self._site = self._runner, None, None
         if runner is not None:
             await runner.cleanup()
