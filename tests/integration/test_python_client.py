@@ -251,6 +251,7 @@ async def test_each_refusal_raises_its_class(h: Harness) -> None:
         assert (down.value.code, down.value.retry_after_s) == ("core_unavailable", 2.0)
         h.sim.faults.create_status = None
 
+        h.sim.judge_time_s = 60.0  # job 4 is not done when its re-check is refused, however slow
         job = await start(aq, 4, idempotency_key="dave-4")
         with pytest.raises(IdempotencyKeyReused):
             await start(aq, 5, idempotency_key="dave-4")
