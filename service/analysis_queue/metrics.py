@@ -110,6 +110,19 @@ class Metrics:
             ["phase"],
             registry=r,
         )
+        self.http_responses = Counter(
+            "aq_http_responses",
+            "Responses the routes answered, by status code (the edge's own refusals are "
+            "aq_http_connections_over_cap and aq_http_timeouts)",
+            ["code"],
+            registry=r,
+        )
+        self.users_stuck = Gauge(
+            "aq_users_stuck",
+            "Users with a free slot and a queued job that should have started (the sweep's "
+            "candidates, up to 1,000): above 0 past a sweep interval, the queue is stuck",
+            registry=r,
+        )
         self.event_subscribers = Gauge(
             "aq_event_subscribers", "Open event-stream subscribers", registry=r
         )

@@ -374,4 +374,7 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
     finally:
         request_id_var.reset(token)
     response.headers["X-Request-ID"] = request_id
+    services = request.app.get(SERVICES)
+    if services is not None:  # the problem middleware inside made every error a response
+        services.metrics.http_responses.labels(str(response.status)).inc()
     return response

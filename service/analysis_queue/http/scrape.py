@@ -1,6 +1,6 @@
 """What ``/metrics`` reads from the database: the gauges of open work and of the provider's
 capacity, read at most once per ``AQ_METRICS_CACHE_S`` however often, and however many at once,
-scrapers ask. A scrape flood costs the database one pair of queries per interval."""
+scrapers ask. A scrape flood costs the database one set of queries per interval."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ from analysis_queue import errors
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import OPEN_STATUSES, Capacity
 
+# How many of the users a promotion may have missed one scrape reads: enough to say "stuck", a
+# bounded read however many there are.
+STUCK_READ_LIMIT = 1000
+
 
 class GaugeSource(Protocol):
     """What the gauges read (``store.database.Database``; a fake in the unit tests)."""
@@ -20,6 +24,8 @@ class GaugeSource(Protocol):
     async def open_job_counts(self) -> dict[str, int]: ...
 
     async def capacity(self) -> Capacity: ...
+
+    async def users_to_promote(self, limit: int) -> list[str]: ...
 
 
 class DatabaseGauges:
@@ -68,3 +74,4 @@ class DatabaseGauges:
         m.slots_in_use.set(capacity.active)
         m.waiting_for_capacity.labels("jobs").set(capacity.jobs_waiting)
         m.waiting_for_capacity.labels("users").set(capacity.users_waiting)
+        m.users_stuck.set(len(await self._db.users_to_promote(STUCK_READ_LIMIT)))

@@ -30,6 +30,9 @@ class FakeSource:
     async def capacity(self) -> Capacity:
         return Capacity(ceiling=None, active=0, jobs_waiting=0, users_waiting=0)
 
+    async def users_to_promote(self, limit: int) -> list[str]:
+        return []
+
 
 class Clock:
     def __init__(self) -> None:
