@@ -4,14 +4,16 @@
 -- promotions of a run: docs/benchmarks.md).
 --
 -- store/database.py calls it when it opens a connection, inside a transaction it rolls back:
--- nothing of it stays (sequence values aside), no notification goes out, and its one user's
--- lock is held for the few milliseconds it takes. The user id cannot be a real one's: a JWT
--- subject has no control characters (http/auth.py).
+-- nothing of it stays (sequence values aside), no notification goes out, and its user's lock is
+-- held for the few milliseconds it takes. The user is the backend's own, so connections that
+-- open together (a pool growing under load) do not queue on one user's lock and credit row;
+-- with the ceiling on and a slot free, its admit still takes G exclusively, as any would. The
+-- user id cannot be a real one's: a JWT subject has no control characters (http/auth.py).
 
 CREATE OR REPLACE FUNCTION aq_warm_up_v1() RETURNS integer
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
-    v_user text := E'\x01warm-up';
+    v_user text := E'\x01warm-up/' || pg_backend_pid();
     v_runs uuid[] := ARRAY[gen_random_uuid(), gen_random_uuid()];
     v_jobs uuid[] := ARRAY[gen_random_uuid(), gen_random_uuid()];
     v_items jsonb := '[]';

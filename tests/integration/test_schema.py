@@ -726,7 +726,8 @@ async def test_the_warm_up_walks_one_job_through_todays_entry_points(
         await tx.start()
         steps = await conn.fetchval("SELECT aq_warm_up_v1()")
         rows = await conn.fetch(
-            "SELECT status FROM analysis_jobs WHERE user_id = E'\\x01warm-up' ORDER BY queue_seq"
+            "SELECT status FROM analysis_jobs WHERE user_id = E'\\x01warm-up/' || pg_backend_pid()"
+            " ORDER BY queue_seq"
         )
         await tx.rollback()
         left = await conn.fetchval("SELECT count(*) FROM analysis_jobs")
@@ -735,6 +736,28 @@ async def test_the_warm_up_walks_one_job_through_todays_entry_points(
     assert steps == 2
     assert [r["status"] for r in rows] == ["succeeded", "pending"]
     assert left == 0
+
+
+async def test_warm_ups_of_connections_opening_together_do_not_wait_for_each_other(
+    database_url: str,
+) -> None:
+    """Each backend warms up as its own user: a second connection's warm-up finishes while the
+    first's transaction still holds everything it locked (ceiling off: with it on, an admit that
+    gives out a slot holds G exclusively, warm-up or not)."""
+    first, second = await asyncpg.connect(database_url), await asyncpg.connect(database_url)
+    try:
+        tx = first.transaction()
+        await tx.start()
+        assert await first.fetchval("SELECT aq_warm_up_v1()") == 2
+        async with second.transaction():
+            # Bounded well inside the function's own lock_timeout (10 s): a warm-up that waited
+            # for the first one's locks would still be waiting.
+            steps = await asyncio.wait_for(second.fetchval("SELECT aq_warm_up_v1()"), 5)
+        await tx.rollback()
+    finally:
+        await first.close()
+        await second.close()
+    assert steps == 2
 
 
 async def test_the_dispatchers_running_marks_wait_for_a_busy_user_in_one_statement(
