@@ -408,6 +408,8 @@ async def test_a_completion_written_behind_the_service_fills_the_slot_by_notify(
     h = harness
     h.sim.judge_time_s = FOREVER_S
     inst = await h.start_instance(global_max_running=2, sweep_interval_s=0)
+    # The one pass the listener's connecting kicks must be over before the sweep is counted.
+    await asyncio.wait_for(inst.services.sweeper.pass_done.wait(), 10)
     await h.grant("e", 2)
     first = await _admit_ok(h, "e")
     second = await _admit_ok(h, "e", 2)

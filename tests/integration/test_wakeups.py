@@ -38,6 +38,8 @@ async def test_promotion_after_completion_comes_from_notify(harness: Harness) ->
     h = harness
     h.sim.judge_time_s = 60
     inst = await h.start_instance(sweep_interval_s=0)
+    # The one pass the listener's connecting kicks must be over before the sweep is counted.
+    await asyncio.wait_for(inst.services.sweeper.pass_done.wait(), 10)
     await h.grant("u", 3)
     _, a = await h.admit("u", 1)
     _, b = await h.admit("u", 2)
