@@ -25,8 +25,9 @@ RUN groupadd --system --gid 10001 aq \
 COPY --from=build /opt/venv /opt/venv
 USER 10001:10001
 EXPOSE 8080
+# The probe asks the port the service listens on: AQ_PORT, as set when the container runs.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
-    CMD ["python", "-c", "import sys,urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2).status != 200)"]
+    CMD ["python", "-c", "import os,sys,urllib.request; port = os.environ.get('AQ_PORT', '8080'); sys.exit(urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=2).status != 200)"]
 # Exec form: SIGTERM reaches the service, which drains and stops gracefully.
 ENTRYPOINT ["analysis-queue"]
 CMD ["serve"]
