@@ -19,7 +19,7 @@ UV_COMPILE := $(UV) pip compile --quiet --universal --all-extras --python-versio
 LOWEST_VENV ?= $(VENV)-lowest
 
 .PHONY: install install-dev run demo test test-fast test-lowest lint format typecheck check \
-	constraints constraints-upgrade constraints-check clean bench schema
+	constraints constraints-upgrade constraints-check clean bench schema image
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +98,9 @@ clean:
 
 schema: install-dev  ## rewrite sql/schema.sql from a fresh migrate (AQ_TEST_DATABASE_URL's server, else embedded)
 	$(BIN)/python -m analysis_queue.dev.schema_file
+
+image:  ## the production image with podman, no registry needed (deploy/image/build)
+	deploy/image/build analysis-queue:latest
 
 bench: install-dev  ## benchmarks (not tests): writes bench/results.json
 	$(BIN)/python bench/run.py
