@@ -261,6 +261,12 @@ async def serve(app: web.Application, settings: Settings, on_started: Callable[[
             return
         try:
             await start_site(runner, settings.host, settings.port)
+        except asyncio.CancelledError:
+            # A stop asked for while the port opened: as clean as one during the setup.
+            if not stop.is_set() or main is None:
+                raise
+            main.uncancel()
+        else:
             started = True
             on_started()
             await stop.wait()
