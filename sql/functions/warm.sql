@@ -6,9 +6,13 @@
 -- store/database.py calls it when it opens a connection, inside a transaction it rolls back:
 -- nothing of it stays (sequence values aside), no notification goes out, and its user's lock is
 -- held for the few milliseconds it takes. The user is the backend's own, so connections that
--- open together (a pool growing under load) do not queue on one user's lock and credit row;
--- with the ceiling on and a slot free, its admit still takes G exclusively, as any would. The
--- user id cannot be a real one's: a JWT subject has no control characters (http/auth.py).
+-- open together (a pool growing under load) do not queue on one user's lock and credit row.
+-- With the ceiling on it takes G exclusively first: its steps are several decisions in one
+-- transaction, which take G shared and then exclusively (an admit or a wake-up that gives out
+-- a slot), and two warm-ups each holding G shared while waiting for it exclusively deadlock
+-- (docs/locking.md: no decision upgrades its hold on G). Should the ceiling be turned on
+-- between that check and the steps, such a deadlock fails one warm-up, which the pool skips.
+-- The user id cannot be a real one's: a JWT subject has no control characters (http/auth.py).
 
 CREATE OR REPLACE FUNCTION aq_warm_up_v1() RETURNS integer
 LANGUAGE plpgsql VOLATILE SET lock_timeout = '10s' SET plan_cache_mode = force_generic_plan AS $$
@@ -20,6 +24,9 @@ DECLARE
     v_steps integer := 0;
     v_job analysis_jobs;
 BEGIN
+    IF aq_ceiling_v2() IS NOT NULL THEN
+        PERFORM aq_lock_global_v1();
+    END IF;
     PERFORM aq_credit_grant_v1(v_user, 2, NULL);
     FOR n IN 1..2 LOOP
         v_items := v_items || jsonb_build_object(

@@ -760,6 +760,38 @@ async def test_warm_ups_of_connections_opening_together_do_not_wait_for_each_oth
     assert steps == 2
 
 
+async def test_with_the_ceiling_on_a_warm_up_waits_for_g_before_it_holds_anything(
+    db: Database, database_url: str
+) -> None:
+    """Its steps are several decisions in one transaction, which take G shared, then
+    exclusively: two warm-ups holding G shared, each waiting for it exclusively, deadlock (seen
+    once in the ceiling stress test). With the ceiling on it takes G exclusively first: behind
+    a holder of G shared it waits holding no lock at all, and goes on once the holder is done."""
+    await db.set_ceiling(5)
+    holder, warm = await asyncpg.connect(database_url), await asyncpg.connect(database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT aq_lock_global_shared_v1()")
+        warm_tx = warm.transaction()
+        await warm_tx.start()
+        warming = asyncio.create_task(warm.fetchval("SELECT aq_warm_up_v1()"))
+        await wait_until_blocked(database_url, holder.get_server_pid())
+        held = await fetch(
+            database_url,
+            "SELECT locktype, mode FROM pg_locks WHERE pid = $1 AND granted "
+            "AND locktype = 'advisory'",
+            warm.get_server_pid(),
+        )
+        assert held == [], f"the warm-up waits for G holding {[dict(r) for r in held]}"
+        await tx.commit()
+        assert await asyncio.wait_for(warming, 5) == 2
+        await warm_tx.rollback()
+    finally:
+        await holder.close()
+        await warm.close()
+
+
 async def test_the_dispatchers_running_marks_wait_for_a_busy_user_in_one_statement(
     db: Database, database_url: str
 ) -> None:
