@@ -10,8 +10,11 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY service ./service
 COPY sql ./sql
 COPY triggers ./triggers
+# Extras only when asked: `--build-arg AQ_EXTRAS=otel` adds tracing (docs/operations.md).
+ARG AQ_EXTRAS=""
 RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /tmp/dist . \
-    && /opt/venv/bin/pip install --no-compile --constraint constraints.txt /tmp/dist/*.whl
+    && /opt/venv/bin/pip install --no-compile --constraint constraints.txt \
+       "$(echo /tmp/dist/*.whl)${AQ_EXTRAS:+[$AQ_EXTRAS]}"
 
 # Runtime stage: the venv only, no build tools, a non-root user.
 FROM python:3.11-slim

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from analysis_queue import errors
+from analysis_queue import errors, tracing
 from analysis_queue.config import (
     EMBEDDED,
     SIMULATOR,
@@ -155,6 +155,8 @@ def build_app(
     app = web.Application(
         middlewares=[
             edge.head_middleware,
+            # Traced (tracing.configure before the app is built): a server span per request.
+            *([api.tracing_middleware] if tracing.active() else []),
             api.request_id_middleware,
             problems.problem_middleware,
             api.single_headers_middleware,

@@ -21,7 +21,7 @@ from importlib import metadata
 
 import aiohttp
 
-from analysis_queue import logs
+from analysis_queue import logs, tracing
 from analysis_queue.app import StartupError, build_app, resolve_dsns, serve
 from analysis_queue.config import (
     EMBEDDED,
@@ -71,11 +71,21 @@ def _run(settings: Settings, banner: Callable[[], None]) -> int:
         extra={"action": "start", "soft": fds.soft, "hard": fds.hard, "soft_before": fds.before},
     )
     try:
+        traced = tracing.configure(os.environ, instance_id=settings.instance_id, version=_version())
+    except tracing.TracingUnavailable as exc:
+        raise ConfigError(str(exc)) from exc
+    if traced:
+        log.info(
+            "tracing on: OpenTelemetry, as the OTEL_* variables say", extra={"action": "start"}
+        )
+    try:
         app = build_app(settings, on_fatal=on_fatal)
         asyncio.run(serve(app, settings, banner))
     except (StartupError, MigrationError) as exc:
         log.critical("cannot start: %s", exc, extra={"action": "start"})
         return EXIT_FAILED
+    finally:
+        tracing.shutdown()  # what is left goes to the exporter
     if fatal:
         log.critical("stopped: a background loop died", extra={"loops": fatal})
         return EXIT_FAILED

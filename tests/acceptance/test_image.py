@@ -73,6 +73,7 @@ NOT_INSTALLED = (
     "hypothesis",
     "ruff",
     "mypy",
+    "opentelemetry-sdk",  # the otel extra: only when the build asks (AQ_EXTRAS=otel)
 )
 
 
@@ -146,6 +147,27 @@ def test_the_image_holds_the_service_and_nothing_to_build_or_test_with(image: st
     unwanted = sorted(installed & set(NOT_INSTALLED))
     assert not unwanted, f"test or development packages in the image: {unwanted}"
     assert version.startswith("analysis-queue "), version
+
+
+def test_the_otel_extra_is_in_the_image_only_when_asked(image: str) -> None:
+    tag = f"{TAG}-otel"
+    env = {**os.environ, "CONTAINERS_CONF": CONTAINERS_CONF}
+    built = subprocess.run(
+        [str(BUILD), tag, "--build-arg", "AQ_EXTRAS=otel"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
+    assert built.returncode == 0, f"deploy/image/build failed:\n{built.stdout}\n{built.stderr}"
+    try:
+        probe = "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http; print('ok')"
+        out = podman("run", "--rm", "--network", "none", "--entrypoint", "python", tag, "-c", probe)
+        assert out.stdout.strip() == "ok"
+        size = json.loads(podman("image", "inspect", tag).stdout)[0]["Size"] / 1e6
+        print(f"\nimage {tag} (with --build-arg AQ_EXTRAS=otel): {size:.0f} MB", flush=True)
+    finally:
+        podman("rmi", "--force", tag, check=False)
 
 
 # -- the rolling deploy ----------------------------------------------------------------------

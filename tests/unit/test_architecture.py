@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "service" / "analysis_queue"
 # the package, and only the composition root imports it (test_the_client_stands_apart).
 LAYERS = [
     {"client"},
-    {"errors", "models", "metrics", "logs", "config"},
+    {"errors", "models", "metrics", "logs", "config", "tracing"},
     {"store", "core"},
     {"dev"},  # the development stand-ins: only the composition root uses them
     {"queue"},

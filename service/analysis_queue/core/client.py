@@ -14,6 +14,7 @@ import aiohttp
 import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from analysis_queue import tracing
 from analysis_queue.errors import (
     CoreRunGone,
     CoreUnavailable,
@@ -202,25 +203,36 @@ class CoreClient:
         if self._session is None:
             raise RuntimeError("CoreClient.start() must be awaited before use")
         data = orjson.dumps(body) if body is not None else None
-        headers = {"Content-Type": "application/json"} if data is not None else None
-        try:
-            async with self._session.request(
-                method, self._base_url + path, data=data, headers=headers
-            ) as response:
-                status = response.status
-                raw = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning(
-                "core unreachable",
-                extra={"action": action, "path": path, "error_type": type(exc).__name__},
-            )
-            reason = "timed out" if isinstance(exc, TimeoutError) else "connection failed"
-            raise CoreUnavailable(f"Core {reason}.") from exc
-        if status >= 500:
-            log.warning(
-                "core server error", extra={"action": action, "path": path, "status": status}
-            )
-            raise CoreUnavailable(f"Core answered {status}.")
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        url = self._base_url + path
+        with tracing.span(
+            action.replace("_", " "),  # "core create", "core release", ...
+            kind="client",
+            attributes={"http.request.method": method, "url.full": url},
+        ) as span:
+            tracing.inject(headers)  # traced: Core's team can join the trace (traceparent)
+            try:
+                async with self._session.request(
+                    method, url, data=data, headers=headers
+                ) as response:
+                    status = response.status
+                    raw = await response.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning(
+                    "core unreachable",
+                    extra={"action": action, "path": path, "error_type": type(exc).__name__},
+                )
+                reason = "timed out" if isinstance(exc, TimeoutError) else "connection failed"
+                raise CoreUnavailable(f"Core {reason}.") from exc
+            if span is not None:
+                span.set_attribute("http.response.status_code", status)
+                if status >= 400:  # a client span's error, as OpenTelemetry's HTTP rules say
+                    tracing.set_error(span, f"Core answered {status}")
+            if status >= 500:
+                log.warning(
+                    "core server error", extra={"action": action, "path": path, "status": status}
+                )
+                raise CoreUnavailable(f"Core answered {status}.")
         try:
             payload: Any = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:

@@ -8,6 +8,7 @@ and runs that were judging go on judging for what was left of their time.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -15,6 +16,7 @@ import re
 import signal
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -256,10 +258,13 @@ class CoreSimulator:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._session: ClientSession | None = None
+        # The W3C trace context of the latest requests that carried one, as (method and path,
+        # traceparent): what Core's team would join a trace by.
+        self.traceparents: collections.deque[tuple[str, str]] = collections.deque(maxlen=1000)
         self._app = self._build_app()
 
     def _build_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._trace_middleware])
         app.router.add_post("/v1/runs", self._handle_create)
         app.router.add_post("/v1/runs/{id}/release", self._handle_release)
         app.router.add_post("/v1/runs/{id}/cancel", self._handle_cancel)
@@ -269,6 +274,15 @@ class CoreSimulator:
         app.router.add_get("/_sim/stats", self._handle_stats)
         app.router.add_post("/_sim/runs/{id}/finish", self._handle_finish)
         return app
+
+    @web.middleware
+    async def _trace_middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        traceparent = request.headers.get("traceparent")
+        if traceparent is not None:
+            self.traceparents.append((f"{request.method} {request.path}", traceparent))
+        return await handler(request)
 
     @property
     def app(self) -> web.Application:

@@ -13,7 +13,7 @@ import orjson
 import pydantic
 from aiohttp import web
 
-from analysis_queue import errors
+from analysis_queue import errors, tracing
 from analysis_queue.core.client import CoreRun, callback_timestamp, signature_matches
 from analysis_queue.http.auth import require_admin, require_bearer
 from analysis_queue.http.bodies import (
@@ -361,6 +361,33 @@ async def single_headers_middleware(request: web.Request, handler: Handler) -> w
                 f"The {name} header is {message}.", errors=[{"field": name, "message": message}]
             )
     return await handler(request)
+
+
+@web.middleware
+async def tracing_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Traced, each request is a server span, a child of the caller's ``traceparent``: named by
+    its route (``POST /v1/analyses/{job_id}/recheck``), an error only when it answered 5xx.
+    The app has it only when tracing was on as it was built (app.py)."""
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else ""
+    attributes: dict[str, str | int | bool] = {
+        "http.request.method": request.method,
+        "url.path": request.path,
+    }
+    if route:
+        attributes["http.route"] = route
+    with tracing.span(
+        f"{request.method} {route}".strip(),
+        kind="server",
+        attributes=attributes,
+        parent=tracing.extract(request.headers),
+    ) as span:
+        response = await handler(request)
+        if span is not None:
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 500:
+                tracing.set_error(span, f"answered {response.status}")
+        return response
 
 
 @web.middleware

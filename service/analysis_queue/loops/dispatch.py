@@ -19,7 +19,7 @@ from uuid import UUID
 
 import tenacity
 
-from analysis_queue import errors
+from analysis_queue import errors, tracing
 from analysis_queue.core.client import CoreClient, RunState
 from analysis_queue.metrics import Metrics
 from analysis_queue.models import Job, JobStatus, StaleReservation
@@ -94,10 +94,12 @@ class Dispatcher:
         # Claims and running marks of concurrent dispatches go out as one statement each.
         self._claims: GroupCommit[UUID, Job] = GroupCommit(
             lambda ids: db.claim(ids, settings.instance_id, settings.claim_lease_s),
+            name="claim",
             on_batch=metrics.batch_counter("claim"),
         )
         self._running: GroupCommit[UUID, bool] = GroupCommit(
             self._mark_running,
+            name="running",
             on_batch=metrics.batch_counter("running"),
             stalled_after_s=STALLED_AFTER_S,
         )
@@ -132,11 +134,14 @@ class Dispatcher:
 
     async def _run(self, job_id: UUID, claimed: Job | None) -> None:
         try:
-            async with self._sem:
-                if claimed is not None:
-                    outcome = await self._release(claimed)
-                else:
-                    outcome = await self.dispatch_once(job_id)
+            # Traced, a child of what started it: the click, the completion or the pass.
+            traced = {"aq.job_id": str(job_id)} if tracing.active() else None
+            with tracing.span("release", attributes=traced):
+                async with self._sem:
+                    if claimed is not None:
+                        outcome = await self._release(claimed)
+                    else:
+                        outcome = await self.dispatch_once(job_id)
             if outcome is not Released.NOT_CLAIMED:
                 self.metrics.releases.labels(outcome).inc()
         except errors.DatabaseUnavailable:

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol
 
-from analysis_queue import errors
+from analysis_queue import errors, tracing
 from analysis_queue.models import Job, Woken
 from analysis_queue.queue.followup import Decision, FollowUp, Trigger
 from analysis_queue.store.database import Claim
@@ -169,14 +169,15 @@ class Promoter:
             self._schedule_wake()
 
     async def _wake_once(self, users: list[str]) -> None:
-        async with self._sem:
-            self.wake_calls += 1
-            woken = await self.db.promote_woken(users, PASS_BATCH, self.claim)
-        self.ceiling = woken.ceiling
-        self.promotions += len(woken.promoted)
-        self.followup.after(
-            Decision(Trigger.NOTIFY, promoted=woken.promoted, unreleased=woken.unreleased)
-        )
+        with tracing.span("wake-up"):  # traced: the releases it starts are its children
+            async with self._sem:
+                self.wake_calls += 1
+                woken = await self.db.promote_woken(users, PASS_BATCH, self.claim)
+            self.ceiling = woken.ceiling
+            self.promotions += len(woken.promoted)
+            self.followup.after(
+                Decision(Trigger.NOTIFY, promoted=woken.promoted, unreleased=woken.unreleased)
+            )
         if len(woken.promoted) >= PASS_BATCH:
             self.pass_soon(Trigger.NOTIFY)  # a whole batch: there may be more to fill
 
@@ -185,7 +186,8 @@ class Promoter:
             while True:
                 self._pass_again = False
                 users, self._pass_users = sorted(self._pass_users), set()
-                await self.run_pass(self._pass_trigger, users)
+                with tracing.span("promotion pass"):  # traced: a child of what asked for it
+                    await self.run_pass(self._pass_trigger, users)
                 if not self._pass_again:
                     break
         except errors.DatabaseUnavailable:

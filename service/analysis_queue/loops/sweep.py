@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from uuid import UUID
 
-from analysis_queue import errors
+from analysis_queue import errors, tracing
 from analysis_queue.core.client import CoreClient
 from analysis_queue.loops.dispatch import Dispatcher
 from analysis_queue.loops.promote import Promoter
@@ -96,14 +96,17 @@ class Sweeper:
             self._reservations,
             self._prune_events,
         )
-        for step in steps:
-            try:
-                await step(report)
-            except errors.DatabaseUnavailable:
-                log.warning("sweep: database unavailable", extra={"action": "sweep"})
-                break
-            except Exception:
-                log.exception("sweep step failed", extra={"action": "sweep", "step": step.__name__})
+        with tracing.span("sweep pass"):  # traced: what it repairs is its children
+            for step in steps:
+                try:
+                    await step(report)
+                except errors.DatabaseUnavailable:
+                    log.warning("sweep: database unavailable", extra={"action": "sweep"})
+                    break
+                except Exception:
+                    log.exception(
+                        "sweep step failed", extra={"action": "sweep", "step": step.__name__}
+                    )
         report.duration_s = time.perf_counter() - started
         self.metrics.sweep_seconds.observe(report.duration_s)
         self.passes += 1

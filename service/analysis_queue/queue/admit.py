@@ -88,12 +88,14 @@ class Admitter:
         self._wait_s = db.timeouts.acquire_s
         self._reservations: GroupCommit[ReserveRequest, Reservation] = GroupCommit(
             db.reserve_many,
+            name="reserve",
             max_batch=BATCH_MAX,
             on_batch=metrics.batch_counter("reserve"),
             stalled_after_s=STALLED_AFTER_S,
         )
         self._admissions: GroupCommit[AdmitRequest, Batched[Admission]] = GroupCommit(
             functools.partial(db.admit_many, claim=claim),
+            name="admit",
             max_batch=BATCH_MAX,
             on_batch=metrics.batch_counter("admit"),
             stalled_after_s=STALLED_AFTER_S,

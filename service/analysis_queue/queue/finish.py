@@ -73,6 +73,7 @@ class Finisher:
         self.metrics = metrics
         self._completions: GroupCommit[CompletionRequest, Finish | None] = GroupCommit(
             functools.partial(db.finish_many, claim=claim),
+            name="finish",
             max_batch=BATCH_MAX,
             on_batch=metrics.batch_counter("finish"),
             stalled_after_s=STALLED_AFTER_S,

@@ -19,9 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from analysis_queue import errors
+from analysis_queue import errors, tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class GroupCommit(Generic[K, V]):
         self,
         flush: Callable[[list[K]], Awaitable[Mapping[K, V]]],
         *,
+        name: str = "batch",
         max_batch: int = 256,
         on_batch: Callable[[int], None] | None = None,
         stalled_after_s: float | None = None,
@@ -59,11 +63,13 @@ class GroupCommit(Generic[K, V]):
         if max_batch < 1 or max_in_flight < 1:
             raise ValueError("max_batch and max_in_flight must be at least 1")
         self._flush = flush
+        self._span_name = f"group commit {name}"  # its span, when tracing
         self._on_batch = on_batch  # called with each written batch's size (metrics)
         self._max_batch = max_batch
         self._stalled_after_s = stalled_after_s
         self._max_in_flight = max_in_flight
-        self._waiting: list[tuple[K, asyncio.Future[V | None]]] = []
+        # Each key, its caller's future, and its caller's span when tracing.
+        self._waiting: list[tuple[K, asyncio.Future[V | None], SpanContext | None]] = []
         self._flusher: asyncio.Task[None] | None = None  # the one that loops while keys wait
         self._beside: set[asyncio.Task[None]] = set()  # one statement each, beside a stalled one
         self._started: dict[asyncio.Task[None], float] = {}  # statement in flight -> since
@@ -73,7 +79,7 @@ class GroupCommit(Generic[K, V]):
 
     async def submit(self, key: K, *, queue_timeout_s: float | None = None) -> V | None:
         future: asyncio.Future[V | None] = asyncio.get_running_loop().create_future()
-        entry = (key, future)
+        entry = (key, future, tracing.current())
         self._waiting.append(entry)
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._run(), name="group-commit")
@@ -123,7 +129,7 @@ class GroupCommit(Generic[K, V]):
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            for _, future in self._waiting:  # only when cancelled mid-way
+            for _, future, _ in self._waiting:  # only when cancelled mid-way
                 future.cancel()
             self._waiting.clear()
 
@@ -133,7 +139,7 @@ class GroupCommit(Generic[K, V]):
         del self._waiting[: self._max_batch]
         # A caller cancelled while it waited (a dispatch cut short at shutdown) wants nothing
         # written for it any more.
-        batch = [(key, future) for key, future in batch if not future.done()]
+        batch = [entry for entry in batch if not entry[1].done()]
         if not batch:
             return
         task = asyncio.current_task()
@@ -141,10 +147,18 @@ class GroupCommit(Generic[K, V]):
         self._started[task] = asyncio.get_running_loop().time()
         if self._waiting:
             self._watch()
+        # Traced, the batch is a child of its first caller's span and links the others'.
+        callers = [caller for _, _, caller in batch if caller is not None]
         try:
-            found = await self._flush([key for key, _ in batch])
+            with tracing.span(
+                self._span_name,
+                parent=callers[0] if callers else None,
+                links=callers[1:],
+                attributes={"aq.batch.size": len(batch)} if tracing.active() else None,
+            ):
+                found = await self._flush([key for key, _, _ in batch])
         except BaseException as exc:
-            for _, future in batch:
+            for _, future, _ in batch:
                 if not future.done():
                     if isinstance(exc, asyncio.CancelledError):
                         future.cancel()
@@ -155,7 +169,7 @@ class GroupCommit(Generic[K, V]):
             return
         finally:
             del self._started[task]
-        for key, future in batch:
+        for key, future, _ in batch:
             if not future.done():  # its caller may have been cancelled meanwhile
                 future.set_result(found.get(key))
         if self._waiting:

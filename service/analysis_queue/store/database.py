@@ -15,11 +15,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 from uuid import UUID
 
 import asyncpg
 
-from analysis_queue import errors
+from analysis_queue import errors, tracing
 from analysis_queue.config import Pooler
 from analysis_queue.models import (
     Admission,
@@ -163,6 +164,17 @@ def _jobs(rows: Any) -> tuple[Job, ...]:
     return tuple(Job.from_row(r) for r in rows or ())
 
 
+def _span_attributes(dsn: str) -> dict[str, str | int | bool]:
+    """What every statement's span says of the database (OpenTelemetry's names)."""
+    parts = urlsplit(dsn)
+    found: dict[str, str | int | bool] = {"db.system.name": "postgresql"}
+    if parts.path.strip("/"):
+        found["db.namespace"] = parts.path.strip("/")
+    if parts.hostname:
+        found["server.address"] = parts.hostname
+    return found
+
+
 class Database:
     """A pool and the queue's queries. ``await Database.connect(dsn)``; ``await db.close()``."""
 
@@ -191,6 +203,7 @@ class Database:
         self._probe: asyncpg.Connection[Any] | None = None
         self._probing = asyncio.Lock()
         self._closed = False
+        self._span_attributes = _span_attributes(dsn)
 
     @classmethod
     async def connect(
@@ -281,15 +294,19 @@ class Database:
         """Query ``name`` on a pooled connection. One whose connection died under it is sent
         once more, on another connection, when it is in ``SAFE_TO_REPEAT``: a terminated backend
         then costs no request."""
-        for attempt in (1, 2):
-            try:
-                async with self._connection() as conn:
-                    with wrap_errors():
-                        return await statement(conn)
-            except errors.DatabaseUnavailable as exc:
-                if attempt == 2 or not exc.connection_lost or name not in SAFE_TO_REPEAT:
-                    raise
-                log.info("connection lost under a statement; once more", extra={"query": name})
+        # Traced, one span a statement, named by its query (the decisions: reserve, admit,
+        # finish, claim, running, promote, ...).
+        with tracing.span(name, kind="client", attributes=self._span_attributes) as span:
+            for attempt in (1, 2):
+                try:
+                    async with self._connection() as conn:
+                        with wrap_errors():
+                            return await statement(conn)
+                except errors.DatabaseUnavailable as exc:
+                    if attempt == 2 or not exc.connection_lost or name not in SAFE_TO_REPEAT:
+                        tracing.set_error(span, type(exc).__name__)
+                        raise
+                    log.info("connection lost under a statement; once more", extra={"query": name})
         raise AssertionError("unreachable")
 
     async def ping(self) -> None:
