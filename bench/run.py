@@ -53,7 +53,7 @@ from analysis_queue.models import (  # noqa: E402
 )
 from analysis_queue.queue.finish import Finisher  # noqa: E402
 from analysis_queue.queue.followup import FollowUp  # noqa: E402
-from analysis_queue.store.database import Database  # noqa: E402
+from analysis_queue.store.database import Claim, Database  # noqa: E402
 from analysis_queue.store.listen import JOBS_CHANNEL  # noqa: E402
 from analysis_queue.store.migrate import apply_migrations  # noqa: E402
 
@@ -104,6 +104,16 @@ async def fresh_database(server: str) -> AsyncIterator[str]:
         conn = await asyncpg.connect(server)
         await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         await conn.close()
+
+
+@asynccontextmanager
+async def _database(server: str, on: str | None) -> AsyncIterator[str]:
+    """``on`` when given (a database a benchmark loaded), else a fresh one."""
+    if on is not None:
+        yield on
+        return
+    async with fresh_database(server) as dsn:
+        yield dsn
 
 
 class Proc:
@@ -393,14 +403,25 @@ async def _admit_chain(
     await asyncio.gather(*(one_user(u) for u in users))
 
 
-async def _wait_all_terminal(dsn: str, total: int, timeout_s: float) -> float:
+async def _wait_all_terminal(
+    dsn: str, total: int, timeout_s: float, users: list[str] | None = None
+) -> float:
+    """Until ``total`` jobs are terminal (of ``users`` only, beside a loaded history)."""
     conn = await asyncpg.connect(dsn)
     started = time.perf_counter()
     try:
         while time.perf_counter() - started < timeout_s:
-            done = await conn.fetchval(
-                "SELECT count(*) FROM analysis_jobs WHERE status IN ('succeeded','failed','cancelled')"
-            )
+            if users is None:
+                done = await conn.fetchval(
+                    "SELECT count(*) FROM analysis_jobs"
+                    " WHERE status IN ('succeeded','failed','cancelled')"
+                )
+            else:  # through the users' index: a count of the whole history would load it
+                done = await conn.fetchval(
+                    "SELECT count(*) FROM analysis_jobs WHERE user_id = ANY($1::text[])"
+                    " AND deleted_at IS NULL AND status IN ('succeeded','failed','cancelled')",
+                    users,
+                )
             if done >= total:
                 return time.perf_counter() - started
             await asyncio.sleep(0.05)
@@ -578,13 +599,16 @@ async def bench_drain(
     per_user: int,
     ceiling: int = 0,
     instances: int = 2,
+    on: str | None = None,
+    user_prefix: str = "d",
 ) -> dict[str, Any]:
     """``users_n`` users admit ``per_user`` jobs each over HTTP, spread across ``instances``
     service processes (a user's clicks go to either), Core instant: the time until every job
-    succeeded."""
-    users = [f"d{i}" for i in range(users_n)]
+    succeeded. In a fresh database, or ``on`` one (a loaded history): only its users' jobs
+    are counted."""
+    users = [f"{user_prefix}{i}" for i in range(users_n)]
     total = users_n * per_user
-    async with fresh_database(server) as dsn:
+    async with _database(server, on) as dsn:
         await grant_all(dsn, users, per_user)
         env = {"GLOBAL_MAX_RUNNING": str(ceiling)}
         async with running_stack(dsn, tmp, http, instances=instances, **env) as (
@@ -601,10 +625,15 @@ async def bench_drain(
             cursor = 0
             import psutil
 
+            # Tables that grow from empty are analyzed as they grow (as autovacuum would); a
+            # loaded history is analyzed already, and 5,000 rows more would not make autovacuum
+            # analyze it again.
             analyzer = asyncio.create_task(
                 analyzing(
                     dsn,
-                    (
+                    ("core_run_reservations",)
+                    if on is not None
+                    else (
                         "analysis_jobs",
                         "job_events",
                         "job_event_counters",
@@ -632,14 +661,16 @@ async def bench_drain(
             await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
             admitted_s = time.perf_counter() - started
             # What admission left to run: the tail after it is this backlog at the ceiling.
-            backlog = (
-                await _rows(
-                    dsn,
-                    "SELECT count(*) AS n FROM analysis_jobs"
-                    " WHERE status IN ('queued', 'pending', 'running')",
+            conn = await asyncpg.connect(dsn)
+            try:  # the drain's users' jobs, through their index (beside a loaded history)
+                backlog = await conn.fetchval(
+                    "SELECT count(*) FROM analysis_jobs WHERE user_id = ANY($1::text[])"
+                    " AND deleted_at IS NULL AND status IN ('queued', 'pending', 'running')",
+                    users,
                 )
-            )[0]["n"]
-            await _wait_all_terminal(dsn, total, 600)
+            finally:
+                await conn.close()
+            await _wait_all_terminal(dsn, total, 600, users)
             wall = time.perf_counter() - started
             analyzer.cancel()
             await asyncio.gather(analyzer, return_exceptions=True)
@@ -664,9 +695,13 @@ async def bench_drain(
         try:
             succeeded = await conn.fetchval(
                 "SELECT count(*) FROM analysis_jobs WHERE status='succeeded'"
+                " AND user_id = ANY($1::text[])",
+                users,
             )
             rows = await conn.fetch(
                 "SELECT promoted_at, finished_at FROM analysis_jobs WHERE promoted_at IS NOT NULL"
+                " AND user_id = ANY($1::text[])",
+                users,
             )
             overall = max_overlap([(r["promoted_at"], r["finished_at"]) for r in rows])
             # Max concurrency per user: the most [promoted_at, finished_at) intervals that overlap.
@@ -676,7 +711,9 @@ async def bench_drain(
                          ON a.user_id = b.user_id AND b.promoted_at <= a.promoted_at
                         AND b.finished_at > a.promoted_at
                         AND a.delta_of_job_id IS NULL AND b.delta_of_job_id IS NULL
-                      GROUP BY a.id) s"""
+                      WHERE a.user_id = ANY($1::text[])
+                      GROUP BY a.id) s""",
+                users,
             )
         finally:
             await conn.close()
@@ -878,6 +915,18 @@ ACTIVE = (JobStatus.PENDING, JobStatus.RUNNING)
 # -- 4. sweep cost vs history -------------------------------------------------------------------
 
 
+def bench_sweeper(db: Database, core: CoreClient) -> Sweeper:
+    """A sweeper wired as the service wires one, for passes timed in-process."""
+    metrics = Metrics()
+    followup = FollowUp(metrics)
+    finisher = Finisher(db, core, followup, metrics)
+    dispatcher = Dispatcher(db, core, DispatchSettings(instance_id="bench"), finisher, metrics)
+    promoter = Promoter(db, followup)
+    followup.bind(releases=dispatcher, passes=promoter)
+    settings = SweepSettings(running_quiet_s=3600)
+    return Sweeper(db, core, dispatcher, promoter, finisher, settings, metrics)
+
+
 async def bench_sweep(server: str, histories: list[int], users_n: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for history in histories:
@@ -933,23 +982,7 @@ async def bench_sweep(server: str, histories: list[int], users_n: int) -> dict[s
             db = await Database.connect(dsn)
             core = CoreClient("http://127.0.0.1:9")  # never called: nothing is due
             await core.start()
-            metrics = Metrics()
-            followup = FollowUp(metrics)
-            finisher = Finisher(db, core, followup, metrics)
-            dispatcher = Dispatcher(
-                db, core, DispatchSettings(instance_id="bench"), finisher, metrics
-            )
-            promoter = Promoter(db, followup)
-            followup.bind(releases=dispatcher, passes=promoter)
-            sweeper = Sweeper(
-                db,
-                core,
-                dispatcher,
-                promoter,
-                finisher,
-                SweepSettings(running_quiet_s=3600),
-                metrics,
-            )
+            sweeper = bench_sweeper(db, core)
             times = []
             for _ in range(7):
                 report = await sweeper.run_once()
@@ -962,11 +995,265 @@ async def bench_sweep(server: str, histories: list[int], users_n: int) -> dict[s
     return out
 
 
+# -- history: the same operations beside a small and a year-sized history (#26) ----------------
+
+HISTORY_DEPTH = 200  # finished jobs per user with a history: 10M rows over 50,000 users
+EVENTS_KEPT_DAYS = 7  # the sweep prunes events older than this (SweepSettings.event_retention_s)
+HISTORY_REPS = 60  # users measured per operation
+
+
+async def load_history(dsn: str, rows: int) -> dict[str, float]:
+    """``rows`` finished jobs over a year, ``HISTORY_DEPTH`` per user, with what they leave
+    behind: a debit each and a grant per user in the ledger, balances that match it, the
+    events of the last week (the rest pruned, as the sweep does) and their counters. Written
+    set-based with the triggers off (their rows are written here instead), the secondary
+    indexes dropped during the load and built again after it, then VACUUM ANALYZE: a table in
+    its steady state, as autovacuum keeps it."""
+    users = max(1, rows // HISTORY_DEPTH)
+    conn = await asyncpg.connect(dsn)
+    started = time.perf_counter()
+    try:
+        await conn.execute("SET maintenance_work_mem = '1GB'")
+        indexes = await conn.fetch(
+            """SELECT i.indexname, i.indexdef FROM pg_indexes i
+                WHERE i.schemaname = 'public' AND i.tablename IN ('analysis_jobs', 'credit_ledger',
+                      'job_events')
+                  AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conname = i.indexname)"""
+        )
+        for ix in indexes:
+            await conn.execute(f"DROP INDEX {ix['indexname']}")
+        await conn.execute("SET session_replication_role = replica")
+        await conn.execute(
+            """INSERT INTO credit_accounts (user_id, balance)
+               SELECT 'h' || u, 1000 FROM generate_series(1, $1) u""",
+            users,
+        )
+        await conn.execute(
+            """INSERT INTO analysis_jobs (id, user_id, run_id, core_run_id, status, queue_seq,
+                                          thesis, sources, cost, created_at, promoted_at,
+                                          started_at, finished_at, updated_at, verdicts)
+               SELECT gen_random_uuid(), 'h' || (1 + g % $2), gen_random_uuid(), 'h-' || g,
+                      'succeeded', g,
+                      jsonb_build_object('title', 'Thesis ' || g,
+                                         'document_url', 'https://uni.example/t/' || g || '.pdf'),
+                      '["10.1000/a.1", "10.1000/a.2"]'::jsonb, 1,
+                      t, t + interval '1 second', t + interval '2 seconds',
+                      t + interval '90 seconds', t + interval '90 seconds',
+                      '[{"source": "10.1000/a.1", "verdict": "supported"},
+                        {"source": "10.1000/a.2", "verdict": "contradicted"}]'::jsonb
+                 FROM generate_series(1, $1) g,
+                      LATERAL (SELECT now() - interval '1 hour'
+                                      - (1 - g::float8 / $1) * interval '365 days' AS t) x""",
+            rows,
+            users,
+        )
+        await conn.execute("SELECT setval('analysis_jobs_queue_seq', $1)", rows)
+        await conn.execute(
+            """INSERT INTO credit_ledger (user_id, job_id, kind, amount, created_at)
+               SELECT user_id, id, 'debit', cost, created_at FROM analysis_jobs"""
+        )
+        await conn.execute(
+            """INSERT INTO credit_ledger (user_id, kind, amount, note, created_at)
+               SELECT user_id, 'grant', sum(cost) + 1000, 'history', min(created_at)
+                 FROM analysis_jobs GROUP BY user_id"""
+        )
+        await conn.execute(
+            """INSERT INTO job_events (user_id, event_id, job_id, kind, created_at)
+               SELECT j.user_id,
+                      row_number() OVER (PARTITION BY j.user_id ORDER BY j.queue_seq, k.n),
+                      j.id, k.kind, j.created_at + k.n * interval '1 second'
+                 FROM analysis_jobs j,
+                      (VALUES (1, 'admitted'), (2, 'promoted'), (3, 'started'),
+                              (4, 'finished')) k(n, kind)
+                WHERE j.created_at > now() - $1 * interval '1 day'""",
+            EVENTS_KEPT_DAYS,
+        )
+        await conn.execute(
+            """INSERT INTO job_event_counters (user_id, last_id)
+               SELECT user_id, max(event_id) FROM job_events GROUP BY user_id"""
+        )
+        await conn.execute("RESET session_replication_role")
+        loaded = time.perf_counter()
+        for ix in indexes:
+            await conn.execute(ix["indexdef"])
+        indexed = time.perf_counter()
+        await conn.execute("VACUUM ANALYZE")
+        sizes = await conn.fetchrow(
+            """SELECT pg_total_relation_size('analysis_jobs') AS jobs,
+                      pg_total_relation_size('credit_ledger') AS ledger,
+                      pg_total_relation_size('job_events') AS events,
+                      (SELECT count(*) FROM job_events) AS event_rows"""
+        )
+    finally:
+        await conn.close()
+    return {
+        "rows": rows,
+        "users": users,
+        "insert_s": loaded - started,
+        "index_s": indexed - loaded,
+        "total_s": time.perf_counter() - started,
+        "jobs_mb": sizes["jobs"] / 2**20,
+        "ledger_mb": sizes["ledger"] / 2**20,
+        "events_mb": sizes["events"] / 2**20,
+        "event_rows": sizes["event_rows"],
+    }
+
+
+async def _timed(op: Callable[[], Awaitable[Any]]) -> float:
+    t0 = time.perf_counter()
+    await op()
+    return (time.perf_counter() - t0) * 1e3
+
+
+async def history_ops(dsn: str, rows: int) -> dict[str, Any]:
+    """Each operation's database work, for ``HISTORY_REPS`` users with a full history, median
+    and p95 in ms: an admit (reservation and admit; Core's call aside), a promotion (the
+    completion that promotes the user's next job, and that job's running mark), the first and
+    a deep page of the user's list, an event stream's snapshot, and a sweep pass."""
+    with_history = max(1, rows // HISTORY_DEPTH)
+    reps = min(HISTORY_REPS, with_history)
+    users = [f"h{1 + n * with_history // reps}" for n in range(reps)]  # distinct, spread out
+    db = await Database.connect(dsn, min_size=2, max_size=4)
+    claim = Claim("bench", 60)
+    thesis = {"title": "Thesis", "document_url": "https://uni.example/t.pdf"}
+    sources = ["10.1000/b.1", "10.1000/b.2"]
+    out: dict[str, list[float]] = {
+        k: [] for k in ("admit", "promotion", "first_page", "deep_page", "snapshot", "sweep_pass")
+    }
+
+    async def click(user: str) -> tuple[Any, str]:
+        job, run = uuid.uuid4(), uuid.uuid4()
+        await db.reserve(ReserveRequest(user, run, job, 1, thesis, sources, None, None))
+        core = f"b-{run}"
+        admitted = await db.admit(
+            AdmitRequest(job, user, run, core, thesis, sources, 1, None, None, None), claim
+        )
+        return admitted.job, core
+
+    try:
+        first: dict[str, tuple[Any, str]] = {}
+        for user in users:
+            t0 = time.perf_counter()
+            first[user] = await click(user)
+            out["admit"].append((time.perf_counter() - t0) * 1e3)
+        for user in users:
+            await click(user)  # queued behind the first
+            job, core = first[user]
+            await db.mark_running([job.id], "bench")
+
+            async def promotion(core: str = core) -> None:
+                done = await db.finish(
+                    core_run_id=core,
+                    status=JobStatus.SUCCEEDED,
+                    from_statuses=(JobStatus.PENDING, JobStatus.RUNNING),
+                    verdicts=[],
+                    ran=True,
+                    claim=claim,
+                )
+                assert done is not None and done.promoted, "the finish promoted nothing"
+                await db.mark_running([p.id for p in done.promoted], "bench")
+
+            out["promotion"].append(await _timed(promotion))
+        for user in users:
+            page = await db.list_jobs(user, limit=150)
+            deep = page[-1].queue_seq
+            out["first_page"].append(await _timed(lambda u=user: db.list_jobs(u, limit=50)))
+            out["deep_page"].append(
+                await _timed(lambda u=user, d=deep: db.list_jobs(u, before_seq=d, limit=50))
+            )
+
+            async def snapshot(u: str = user) -> None:
+                await db.event_head(u)
+                await db.list_jobs(u, limit=201)
+
+            out["snapshot"].append(await _timed(snapshot))
+        core_client = CoreClient("http://127.0.0.1:9")  # never called: nothing is due
+        await core_client.start()
+        sweeper = bench_sweeper(db, core_client)
+        for _ in range(7):
+            out["sweep_pass"].append((await sweeper.run_once()).duration_s * 1e3)
+        await core_client.close()
+        # The ledger still balances to every account (the identity the tests check).
+        t0 = time.perf_counter()
+        drift = await db.pool.fetchval(
+            """SELECT count(*) FROM (
+                   SELECT a.user_id FROM credit_accounts a LEFT JOIN credit_ledger l USING (user_id)
+                    GROUP BY a.user_id, a.balance
+                   HAVING a.balance <> coalesce(sum(CASE l.kind WHEN 'grant' THEN l.amount
+                                                   WHEN 'debit' THEN -l.amount
+                                                   WHEN 'refund' THEN l.amount END), 0)) d"""
+        )
+        ledger_check_s = time.perf_counter() - t0
+    finally:
+        await db.close()
+    summary: dict[str, Any] = {
+        k: {"median_ms": statistics.median(v), "p95_ms": pct(v, 95)} for k, v in out.items()
+    }
+    summary["ledger_drift_accounts"] = drift
+    summary["ledger_check_s"] = ledger_check_s
+    return summary
+
+
+async def bench_history(
+    server: str, tmp: Path, http: aiohttp.ClientSession, sizes: list[int], drain_users: int
+) -> dict[str, Any]:
+    """The operations and the drain beside each history size, in one run; ratios large/small."""
+    out: dict[str, Any] = {}
+    for rows in sizes:
+        async with fresh_database(server) as dsn:
+            load = await load_history(dsn, rows)
+            print(
+                f"  history {rows:,} rows ({load['users']:,} users): loaded in "
+                f"{load['total_s']:.0f} s ({load['index_s']:.0f} s of it indexes); "
+                f"jobs {load['jobs_mb']:.0f} MB, ledger {load['ledger_mb']:.0f} MB, events "
+                f"{load['event_rows']:,} rows",
+                flush=True,
+            )
+            ops = await history_ops(dsn, rows)
+            drain = await bench_drain(server, tmp, http, drain_users, 5, on=dsn)
+            out[str(rows)] = {"load": load, "ops": ops, "drain": drain}
+    small, large = (out[str(n)] for n in (sizes[0], sizes[-1]))
+    out["ratio_large_to_small"] = {
+        **{
+            k: large["ops"][k]["median_ms"] / small["ops"][k]["median_ms"]
+            for k in small["ops"]
+            if isinstance(small["ops"][k], dict)
+        },
+        "drain_jobs_per_s": large["drain"]["jobs_per_s"] / small["drain"]["jobs_per_s"],
+    }
+    return out
+
+
+def print_history(r: dict[str, Any]) -> None:
+    sizes = [k for k in r if k.isdigit()]
+    small, large = r[sizes[0]], r[sizes[-1]]
+    print(f"\nhistory: {int(sizes[0]):,} vs {int(sizes[-1]):,} finished jobs (median ms)")
+    for op, ratio in r["ratio_large_to_small"].items():
+        if op == "drain_jobs_per_s":
+            print(
+                f"  {'drain 1000x5 jobs/s':<22} {small['drain']['jobs_per_s']:>9.0f} "
+                f"{large['drain']['jobs_per_s']:>9.0f}   x{ratio:.2f}"
+            )
+        else:
+            print(
+                f"  {op:<22} {small['ops'][op]['median_ms']:>9.2f} "
+                f"{large['ops'][op]['median_ms']:>9.2f}   x{ratio:.2f}"
+            )
+    print(
+        f"  ledger balances every account: {large['ops']['ledger_drift_accounts'] == 0} "
+        f"(checked in {large['ops']['ledger_check_s']:.1f} s)"
+    )
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    only = set(args.only.split(",")) if args.only else {"admit", "promotion", "drain", "sweep"}
+    only = (
+        set(args.only.split(","))
+        if args.only
+        else {"admit", "promotion", "drain", "sweep", "history"}
+    )
     results: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -1041,6 +1328,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 print_drain(results["drain_ceiling_40"], "with the provider ceiling at 40")
                 print_ceiling_ratio(results["drain_ceiling_40"], results["drain"])
                 print_peer_drain(results["drain_peer_procrastinate"], results["drain_ceiling_40"])
+            if "history" in only:
+                rows = args.history_rows or (100_000 if args.quick else 10_000_000)
+                results["history"] = await bench_history(
+                    server, tmp, http, [10_000, rows], 200 if args.quick else 1000
+                )
+                print_history(results["history"])
             if "sweep" in only:
                 big = 100_000 if args.quick else 1_000_000
                 results["sweep"] = await bench_sweep(server, [1000, big], 10_000)
@@ -1142,7 +1435,12 @@ if __name__ == "__main__":
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument(
-        "--only", default="", help="comma list: admit,promotion,drain,drain_service,sweep"
+        "--only",
+        default="",
+        help="comma list: admit,promotion,drain,drain_service,sweep,history",
+    )
+    parser.add_argument(
+        "--history-rows", type=int, default=0, help="the large history (default 10,000,000)"
     )
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per admit run")
     parser.add_argument(
