@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import asyncpg
+from analysis_queue.store.database import Database
 from support import Harness, check_invariants
 
 
@@ -44,6 +45,46 @@ async def _cut_under(
         await running
         await killer_conn.close()
     return terminated
+
+
+async def test_a_lost_connection_is_not_the_second_try(database_url: str) -> None:
+    """A backend terminated between a statement's prepare and its execute can reach asyncpg
+    (0.30) as its FATAL before the socket closes: the execute fails with "cannot switch to state
+    12", on a connection still open. The pool hands out the last connection returned first, so
+    unless that one is dropped, the second try runs on it and fails the same way (a 503 seen
+    in CI). Here the driver's error is raised on the first try: the second runs on another
+    connection, and the first one's backend is gone."""
+    db = await Database.connect(database_url, min_size=2, max_size=2)
+    tried: list[int] = []
+
+    async def statement(conn: asyncpg.pool.PoolConnectionProxy[object]) -> int:
+        tried.append(conn.get_server_pid())
+        if len(tried) == 1:
+            raise asyncpg.InternalClientError(
+                "cannot switch to state 12; another operation (2) is in progress"
+            )
+        return tried[-1]
+
+    try:
+        assert await db._send("job_get", statement) == tried[1]
+        assert len(tried) == 2 and tried[0] != tried[1], tried
+        conn = await asyncpg.connect(database_url)
+        try:
+            alive = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", tried[0]
+            )
+            for _ in range(100):  # the terminated backend leaves pg_stat_activity shortly
+                if not alive:
+                    break
+                await asyncio.sleep(0.05)
+                alive = await conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", tried[0]
+                )
+        finally:
+            await conn.close()
+        assert alive == 0
+    finally:
+        await db.close()
 
 
 async def test_backends_terminated_under_reads_and_reservations_cost_no_request(

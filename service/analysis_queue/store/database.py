@@ -271,10 +271,19 @@ class Database:
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy[Any]]:
         """A pooled connection within the acquire bound: past it ``DatabaseUnavailable``, a
-        503 with Retry-After, instead of a request that queues for the pool without end."""
+        503 with Retry-After, instead of a request that queues for the pool without end.
+
+        A connection a lost-connection error came out of is terminated before it goes back:
+        its server may have said FATAL before its socket closed, and asyncpg's pool, last in
+        first out, would hand that connection straight to the statement's second try."""
         with wrap_errors():
             async with self.pool.acquire(timeout=self.timeouts.acquire_s) as conn:
-                yield conn
+                try:
+                    yield conn
+                except errors.DatabaseUnavailable as exc:
+                    if exc.connection_lost:
+                        conn.terminate()
+                    raise
 
     async def _fetchrow(self, name: str, *args: Any) -> Any:
         rows = await self._fetch(name, *args)
