@@ -591,6 +591,27 @@ def _latency_summary(ranked: list[tuple[int, float]]) -> dict[str, Any]:
 # -- 3. drain -----------------------------------------------------------------------------------
 
 
+async def admit_round_robin(
+    clients: dict[tuple[str, int], AnalysisQueueClient],
+    users: list[str],
+    per_user: int,
+    instances: int,
+) -> None:
+    """Each user's ``per_user`` clicks, round after round over all users, by CONCURRENCY
+    workers; click k goes to instance k mod ``instances`` (a user's clicks reach either)."""
+    work = [(u, n) for n in range(per_user) for u in users]
+    cursor = 0
+
+    async def worker() -> None:
+        nonlocal cursor
+        while cursor < len(work):
+            u, n = work[cursor]
+            cursor += 1
+            await admit(clients[u, cursor % instances], n)
+
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+
+
 async def bench_drain(
     server: str,
     tmp: Path,
@@ -621,8 +642,6 @@ async def bench_drain(
             clients = {
                 (u, b): user_client(base, http, u) for u in users for b, base in enumerate(bases)
             }
-            work = [(u, n) for n in range(per_user) for u in users]
-            cursor = 0
             import psutil
 
             # Tables that grow from empty are analyzed as they grow (as autovacuum would); a
@@ -650,15 +669,7 @@ async def bench_drain(
 
             cpu0 = (service_cpu_s(), svc.sim.cpu_s(), psutil.cpu_times(), time.process_time())
             started = time.perf_counter()
-
-            async def worker() -> None:
-                nonlocal cursor
-                while cursor < len(work):
-                    u, n = work[cursor]
-                    cursor += 1
-                    await admit(clients[u, cursor % len(bases)], n)
-
-            await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+            await admit_round_robin(clients, users, per_user, len(bases))
             admitted_s = time.perf_counter() - started
             # What admission left to run: the tail after it is this backlog at the ceiling.
             conn = await asyncpg.connect(dsn)
@@ -1245,6 +1256,202 @@ def print_history(r: dict[str, Any]) -> None:
     )
 
 
+# -- fan-out: thousands of open dashboards during a drain (#26) ---------------------------------
+
+
+async def _probe(
+    http: aiohttp.ClientSession, bases: list[str], token: str, stop: asyncio.Event
+) -> list[float]:
+    """Another user's first page (``GET /v1/analyses``) every 20 ms, on the instances in turn,
+    until ``stop``: its latencies in seconds."""
+    latencies: list[float] = []
+    n = 0
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        async with http.get(
+            f"{bases[n % len(bases)]}/v1/analyses", headers={"Authorization": f"Bearer {token}"}
+        ) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"probe: {r.status}")
+        latencies.append(time.perf_counter() - t0)
+        n += 1
+        await asyncio.sleep(0.02)
+    return latencies
+
+
+async def _probed_drain(
+    dsn: str, http: aiohttp.ClientSession, bases: list[str], users: list[str], probe_token: str
+) -> dict[str, Any]:
+    """``users`` admit FANOUT_JOBS each across ``bases``, Core instant, while ``_probe`` reads:
+    the time until all succeeded, and the probe's latencies meanwhile."""
+    clients = {(u, b): user_client(base, http, u) for u in users for b, base in enumerate(bases)}
+    stop = asyncio.Event()
+    probe = asyncio.create_task(_probe(http, bases, probe_token, stop))
+    started = time.perf_counter()
+    await admit_round_robin(clients, users, FANOUT_JOBS, len(bases))
+    await _wait_all_terminal(dsn, len(users) * FANOUT_JOBS, 600, users)
+    wall = time.perf_counter() - started
+    stop.set()
+    latencies = await probe
+    return {
+        "jobs": len(users) * FANOUT_JOBS,
+        "drained_in_s": wall,
+        "jobs_per_s": len(users) * FANOUT_JOBS / wall,
+        "other_user_list_ms": {
+            "n": len(latencies),
+            "p50": pct(latencies, 50) * 1000,
+            "p99": pct(latencies, 99) * 1000,
+        },
+    }
+
+
+FANOUT_JOBS = 5  # per user, in each drain
+FANOUT_IDLE_CLICKS = 50  # after the drain, one at a time
+
+
+def _rss_mb(proc: Proc) -> float:
+    import psutil
+
+    return float(psutil.Process(proc.p.pid).memory_info().rss) / 2**20
+
+
+async def bench_fanout(
+    server: str, tmp: Path, http: aiohttp.ClientSession, users_n: int, tabs: int
+) -> dict[str, Any]:
+    """Two instances; a drain of ``users_n`` x FANOUT_JOBS with no stream open, then
+    ``users_n`` other users open ``tabs`` streams each (spread over both instances, in a
+    process of their own: bench/fanout_reader.py) and drain as many. Measures how fast each
+    change reaches every tab of its user, the memory an idle stream costs each instance, and
+    whether the drain and another user's reads stay as fast with the streams open."""
+    import psutil
+
+    quiet = [f"q{i}" for i in range(users_n)]
+    watched = [f"w{i}" for i in range(users_n)]
+    async with fresh_database(server) as dsn:
+        await grant_all(dsn, [*quiet, "probe"], FANOUT_JOBS)
+        await grant_all(dsn, watched, FANOUT_JOBS + 1)  # one more each: the idle clicks
+        async with running_stack(dsn, tmp, http, instances=2) as (base, _sim, svc):
+            bases: list[str] = svc.bases  # type: ignore[attr-defined]
+            procs: list[Proc] = svc.peers  # type: ignore[attr-defined]
+            analyzer = asyncio.create_task(
+                analyzing(dsn, ("analysis_jobs", "job_events", "job_event_counters"))
+            )
+            prober = user_client(base, http, "probe")
+            for n in range(FANOUT_JOBS):  # a list of the probe's own to read
+                await admit(prober, n)
+            await _wait_all_terminal(dsn, FANOUT_JOBS, 60, ["probe"])
+            probe_token = mint_token("probe", SECRETS["AQ_JWT_SECRET"])
+            without = await _probed_drain(dsn, http, bases, quiet, probe_token)
+            rss_before = [_rss_mb(p) for p in procs]
+            reader = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(ROOT / "bench" / "fanout_reader.py"),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            assert reader.stdin is not None and reader.stdout is not None
+            spec = {"bases": bases, "users": watched, "tabs": tabs}
+            reader.stdin.write(json.dumps({**spec, "secret": SECRETS["AQ_JWT_SECRET"]}).encode())
+            reader.stdin.write(b"\n")
+            t0 = time.perf_counter()
+            ready = (await reader.stdout.readline()).decode().split()
+            if not ready or ready[0] != "ready":
+                raise RuntimeError(f"fanout reader: {ready}")
+            opened_s = time.perf_counter() - t0
+            await asyncio.sleep(2)  # idle: what the streams hold once their snapshots went
+            rss_idle = [_rss_mb(p) for p in procs]
+            subscribers = [await _metric(http, b, "aq_event_subscribers") for b in bases]
+            reader_cpu0 = psutil.Process(reader.pid).cpu_times()
+            service_cpu0 = sum(p.cpu_s() for p in procs)
+            machine0 = psutil.cpu_times()
+            scans = "SELECT idx_scan FROM pg_stat_user_tables WHERE relname = 'job_events'"
+            conn = await asyncpg.connect(dsn)
+            try:
+                scans0 = await conn.fetchval(scans)
+                t_drain = time.perf_counter()
+                streamed = await _probed_drain(dsn, http, bases, watched, probe_token)
+                # Then a quiet machine: one click now and then, each a burst of four events.
+                idle_from = time.time()
+                for n, user in enumerate(watched[:FANOUT_IDLE_CLICKS]):
+                    await admit(user_client(bases[n % 2], http, user), FANOUT_JOBS)
+                    await asyncio.sleep(0.2)
+                await _wait_all_terminal(
+                    dsn, len(watched) * FANOUT_JOBS + FANOUT_IDLE_CLICKS, 60, watched
+                )
+                events = await conn.fetchval(
+                    "SELECT count(*) FROM job_events WHERE user_id = ANY($1::text[])", watched
+                )
+                await asyncio.sleep(1)  # the last reads are in the statistics
+                # One scan per user each time an instance reads its events: reads per event.
+                event_reads = await conn.fetchval(scans) - scans0
+            finally:
+                await conn.close()
+            reader.stdin.write(f"stop {events} {idle_from}\n".encode())
+            delivered = json.loads(await reader.stdout.readline())
+            reader_cpu = psutil.Process(reader.pid).cpu_times()
+            drain_s = time.perf_counter() - t_drain
+            await reader.wait()
+            service_cpu = (sum(p.cpu_s() for p in procs) - service_cpu0) / drain_s
+            machine = psutil.cpu_times()
+            machine_cpu = (
+                machine.user + machine.system - machine0.user - machine0.system
+            ) / drain_s
+            rss_peak = [p.peak_rss_mb() for p in procs]
+            analyzer.cancel()
+            await asyncio.gather(analyzer, return_exceptions=True)
+    streams = users_n * tabs
+    return {
+        "users": users_n,
+        "tabs": tabs,
+        "streams": streams,
+        "streams_opened_in_s": opened_s,
+        "subscribers_per_instance": subscribers,
+        "rss_mb_per_instance": {"before": rss_before, "idle": rss_idle, "peak": rss_peak},
+        "kb_per_idle_stream": (sum(rss_idle) - sum(rss_before)) * 1024 / streams,
+        "drain_without_streams": without,
+        "drain_with_streams": streamed,
+        "delivery": delivered,
+        "job_events_scans_per_event": event_reads / max(events, 1),
+        "cpu_cores_during_drain": {
+            "service": service_cpu,
+            "reader": (reader_cpu.user + reader_cpu.system - reader_cpu0.user - reader_cpu0.system)
+            / drain_s,
+            "machine": machine_cpu,
+        },
+    }
+
+
+def print_fanout(r: dict[str, Any]) -> None:
+    d = r["delivery"]
+    print(
+        f"\nFan-out: {r['streams']:,} streams ({r['users']} users x {r['tabs']} tabs, 2 instances)"
+    )
+    print(
+        f"  opened in {r['streams_opened_in_s']:.1f} s; subscribers {r['subscribers_per_instance']};"
+        f" {r['kb_per_idle_stream']:.1f} KB per idle stream"
+        f" (RSS MB before {r['rss_mb_per_instance']['before']}, idle"
+        f" {r['rss_mb_per_instance']['idle']})"
+    )
+    print(
+        f"  change -> every tab: p50 {d['every_tab_ms']['p50']:.0f} ms, p99"
+        f" {d['every_tab_ms']['p99']:.0f} ms, max {d['every_tab_ms']['max']:.0f} ms;"
+        f" {d['reached_every_tab'] + d['idle']['reached_every_tab']:,}/{d['expected_events']:,}"
+        " events reached every tab"
+    )
+    i = d["idle"]["every_tab_ms"]
+    print(
+        f"  the same on a quiet machine ({d['idle']['events']} events of single clicks):"
+        f" p50 {i['p50']:.0f} ms, p99 {i['p99']:.0f} ms, max {i['max']:.0f} ms"
+    )
+    for label, k in (("without streams", "drain_without_streams"), ("with", "drain_with_streams")):
+        x = r[k]
+        print(
+            f"  drain {label}: {x['jobs_per_s']:.0f} jobs/s; another user's list p50"
+            f" {x['other_user_list_ms']['p50']:.1f} ms, p99 {x['other_user_list_ms']['p99']:.1f} ms"
+        )
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -1252,7 +1459,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     only = (
         set(args.only.split(","))
         if args.only
-        else {"admit", "promotion", "drain", "sweep", "history"}
+        else {"admit", "promotion", "drain", "sweep", "history", "fanout"}
     )
     results: dict[str, Any] = {
         "machine": {
@@ -1334,6 +1541,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     server, tmp, http, [10_000, rows], 200 if args.quick else 1000
                 )
                 print_history(results["history"])
+            if "fanout" in only:
+                users = 200 if args.quick else 1000
+                results["fanout"] = await bench_fanout(server, tmp, http, users, 5)
+                print_fanout(results["fanout"])
             if "sweep" in only:
                 big = 100_000 if args.quick else 1_000_000
                 results["sweep"] = await bench_sweep(server, [1000, big], 10_000)
@@ -1437,7 +1648,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only",
         default="",
-        help="comma list: admit,promotion,drain,drain_service,sweep,history",
+        help="comma list: admit,promotion,drain,drain_service,sweep,history,fanout",
     )
     parser.add_argument(
         "--history-rows", type=int, default=0, help="the large history (default 10,000,000)"
