@@ -257,31 +257,36 @@ UPDATE core_run_reservations SET idempotency_key = NULL, request_hash = NULL, co
 -- The id of a user's latest event (0 if none): $1 user.
 SELECT coalesce((SELECT last_id FROM job_event_counters WHERE user_id = $1), 0) AS last_id;
 
--- job_event_page --
--- A page of a user's events after an event id, oldest first, each with its job's summary as it
--- is now (NULL if the row is gone) and, when queued, its position: $1 user, $2 after this event
--- id, $3 at most this many events, $4 and about this many bytes of summaries. The first event
--- comes whatever it weighs, so a page always makes progress; ``more`` on every row says whether
--- events after the page may be waiting (the page was cut by count or by bytes).
-WITH page AS (
-    SELECT e.event_id, e.kind, e.created_at AS event_at, s.*,
-           sum(coalesce(s.summary_bytes, 64)) OVER (ORDER BY e.event_id) AS bytes_through,
-           coalesce(s.summary_bytes, 64) AS own_bytes
-      FROM job_events e
-      LEFT JOIN aq_job_summaries_v1 s ON s.id = e.job_id
-     WHERE e.user_id = $1 AND e.event_id > $2
-     ORDER BY e.event_id
-     LIMIT $3)
-SELECT page.*, p.queue_position,
-       (SELECT count(*) FROM page) = $3
-           OR EXISTS (SELECT 1 FROM page c WHERE c.bytes_through - c.own_bytes >= $4) AS more
-  FROM page
-  LEFT JOIN (SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
-               FROM analysis_jobs q
-              WHERE q.user_id = $1 AND q.status = 'queued'
-                AND aq_first_pass_v1(q.delta_of_job_id)) p ON p.id = page.id
- WHERE page.bytes_through - page.own_bytes < $4
- ORDER BY page.event_id;
+-- job_event_pages --
+-- A page of each user's events after that user's event id, oldest first, each with its job's
+-- summary as it is now (NULL if the row is gone) and, when queued, its position: $1 users,
+-- $2 after these event ids (the same order), $3 at most this many events per user, $4 and
+-- about this many bytes of summaries per user. A user's first event comes whatever it weighs,
+-- so a page always makes progress; ``more`` on every row says whether events after its user's
+-- page may be waiting (the page was cut by count or by bytes). One statement for all the users
+-- an instance's streams are waiting on: the hub reads them together (loops/hub.py).
+SELECT f.user_id AS feed_user_id, page.*
+  FROM unnest($1::text[], $2::bigint[]) AS f(user_id, after_id)
+ CROSS JOIN LATERAL (
+    WITH page AS (
+        SELECT e.event_id, e.kind, e.created_at AS event_at, s.*,
+               sum(coalesce(s.summary_bytes, 64)) OVER (ORDER BY e.event_id) AS bytes_through,
+               coalesce(s.summary_bytes, 64) AS own_bytes
+          FROM job_events e
+          LEFT JOIN aq_job_summaries_v1 s ON s.id = e.job_id
+         WHERE e.user_id = f.user_id AND e.event_id > f.after_id
+         ORDER BY e.event_id
+         LIMIT $3)
+    SELECT page.*, p.queue_position,
+           (SELECT count(*) FROM page) = $3
+               OR EXISTS (SELECT 1 FROM page c WHERE c.bytes_through - c.own_bytes >= $4) AS more
+      FROM page
+      LEFT JOIN (SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
+                   FROM analysis_jobs q
+                  WHERE q.user_id = f.user_id AND q.status = 'queued'
+                    AND aq_first_pass_v1(q.delta_of_job_id)) p ON p.id = page.id
+     WHERE page.bytes_through - page.own_bytes < $4) page
+ ORDER BY f.user_id, page.event_id;
 
 -- job_event_prune --
 -- Delete events older than $1 seconds, oldest first, at most $2. -> deleted
@@ -298,8 +303,10 @@ WITH old AS (
 SELECT count(*) AS deleted FROM gone;
 
 -- job_queue_positions --
--- Where each of a user's queued first-pass jobs stands (1 = next), in queue order: $1 user.
-SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
+-- Where each queued first-pass job of these users stands in its user's queue (1 = next), by
+-- user in queue order: $1 users.
+SELECT q.user_id, q.id,
+       row_number() OVER (PARTITION BY q.user_id ORDER BY q.queue_seq) AS queue_position
   FROM analysis_jobs q
- WHERE q.user_id = $1 AND q.status = 'queued' AND aq_first_pass_v1(q.delta_of_job_id)
- ORDER BY q.queue_seq;
+ WHERE q.user_id = ANY($1::text[]) AND q.status = 'queued' AND aq_first_pass_v1(q.delta_of_job_id)
+ ORDER BY q.user_id, q.queue_seq;

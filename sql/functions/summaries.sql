@@ -16,7 +16,7 @@ SELECT j.id, j.user_id, j.run_id, j.status, j.queue_seq, j.delta_of_job_id, j.de
                  GROUP BY 1) v) AS verdict_counts,
        j.created_at, j.promoted_at, j.started_at, j.finished_at, j.error_code, j.error_detail,
        j.waiting_for,
-       -- What the summary weighs in a frame, about: pages are cut by it (job_event_page).
+       -- What the summary weighs in a frame, about: pages are cut by it (job_event_pages).
        octet_length(j.thesis::text) + coalesce(octet_length(j.error_detail), 0) + 512
            AS summary_bytes
   FROM analysis_jobs j;

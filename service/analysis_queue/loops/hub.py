@@ -4,7 +4,9 @@ The instance's one LISTEN connection (``listener.py``) calls :meth:`EventHub.not
 user id of every job change, committed through any instance. The hub keeps a *feed* for each
 user who has subscribers here: a cursor (the last event id it fanned out). A wake-up reads that
 user's events after the cursor from the database once, encodes each as a Server-Sent Events
-frame once, and offers the frames to each of the user's subscribers. NOTIFY is only the
+frame once, and offers the frames to each of the user's subscribers. The users woken meanwhile
+are read together, one statement for up to ``batch_users`` of them (a drain wakes hundreds at
+once: one read each would queue them behind each other's round trips). NOTIFY is only the
 wake-up; the events come from ``job_events``, whose per-user ids follow commit order, so "after
 the cursor" misses nothing. A reconnecting listener and a slow periodic resync catch up on
 notifications that were lost.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -74,6 +76,7 @@ class HubSettings:
     page_bytes: int = 1 << 20  # ... and about this many bytes of job summaries
     snapshot_jobs: int = 200  # jobs in a snapshot frame (the rest: GET /v1/analyses?cursor=)
     read_concurrency: int = 4  # live delivery's database reads in flight
+    batch_users: int = 500  # users whose events one live read fetches
     catchup_concurrency: int = 2  # new streams' snapshots and replays in flight, in all
     max_streams_per_user: int = 20
     max_streams: int = 5000  # per instance
@@ -236,7 +239,15 @@ class EventReads(Protocol):
         self, user_id: str, after_id: int, limit: int, max_bytes: int = ...
     ) -> EventPage: ...
 
+    async def events_after_many(
+        self, cursors: Mapping[str, int], limit: int, max_bytes: int = ...
+    ) -> dict[str, EventPage]: ...
+
     async def queue_positions(self, user_id: str) -> list[QueuePosition]: ...
+
+    async def queue_positions_many(
+        self, users: Sequence[str]
+    ) -> dict[str, list[QueuePosition]]: ...
 
     async def list_jobs(
         self, user_id: str, *, before_seq: int | None = None, limit: int = 50
@@ -254,6 +265,8 @@ class EventHub:
         self._reads = asyncio.Semaphore(settings.read_concurrency)
         self._catchups = asyncio.Semaphore(settings.catchup_concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._wanted: dict[str, _Feed] = {}  # feeds to read, in the order they asked
+        self._pumps = 0  # pumps running (at most read_concurrency)
         self._resync_task: asyncio.Task[None] | None = None
         self.closed = False
         self._count = 0  # subscribers across feeds
@@ -301,7 +314,7 @@ class EventHub:
         async with self._reads:
             feed.cursor = await self.db.event_head(feed.user_id)
         if feed.dirty:
-            self._pump_soon(feed)
+            self.notify(feed.user_id)
 
     def unsubscribe(self, sub: Subscription) -> None:
         feed = self._feeds.get(sub.user_id)
@@ -332,62 +345,115 @@ class EventHub:
         if feed is None:
             return
         feed.dirty = True
-        if feed.cursor is not None:
-            self._pump_soon(feed)  # else _init_feed pumps once the cursor is known
+        if feed.cursor is not None:  # else _init_feed pumps once the cursor is known
+            self._wanted[user_id] = feed
+            self._pump_soon()
 
     def wake_all(self) -> None:
         """Re-read every feed (after the listener reconnected: notifications were lost)."""
         for user_id in list(self._feeds):
             self.notify(user_id)
 
-    def _pump_soon(self, feed: _Feed) -> None:
-        if feed.pumping or self.closed:
+    def _pump_soon(self) -> None:
+        if self.closed or self._pumps >= self.settings.read_concurrency:
             return
-        feed.pumping = True
-        task = asyncio.create_task(self._pump(feed), name="events-pump")
+        self._pumps += 1
+        task = asyncio.create_task(self._pump(), name="events-pump")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _pump(self, feed: _Feed) -> None:
-        try:
-            while feed.dirty and not self.closed and self._feeds.get(feed.user_id) is feed:
-                feed.dirty = False
-                await self._pump_once(feed)
-        except errors.DatabaseUnavailable:
-            feed.dirty = True  # the next notification or resync tries again
-            log.warning(
-                "events: database unavailable",
-                extra={"action": "events_read", "user_id": feed.user_id},
-            )
-        except Exception:
-            feed.dirty = True
-            log.exception(
-                "events: read failed", extra={"action": "events_read", "user_id": feed.user_id}
-            )
-        finally:
-            feed.pumping = False
+    def _take(self) -> list[_Feed]:
+        """Up to ``batch_users`` of the feeds that want a read, oldest wish first, leaving those
+        another pump is reading: a feed is in one read at a time, so its frames keep order."""
+        taken: list[_Feed] = []
+        for user_id, feed in list(self._wanted.items()):
+            if len(taken) >= self.settings.batch_users:
+                break
+            if feed.pumping:
+                continue
+            del self._wanted[user_id]
+            if self._feeds.get(user_id) is not feed:
+                continue  # its last subscriber left
+            feed.pumping, feed.dirty = True, False
+            taken.append(feed)
+        return taken
 
-    async def _pump_once(self, feed: _Feed) -> None:
-        assert feed.cursor is not None
+    def _want_again(self, feed: _Feed) -> None:
+        feed.dirty = True
+        if self._feeds.get(feed.user_id) is feed:
+            self._wanted[feed.user_id] = feed
+
+    async def _pump(self) -> None:
+        """Read the wanted feeds, a batch at a time, until none is left. A failed read leaves
+        its feeds wanted for the next notification or resync (no retry loop here)."""
+        try:
+            while not self.closed:
+                feeds = self._take()
+                if not feeds:
+                    return
+                try:
+                    await self._fan_out(await self._read(feeds))
+                except Exception as exc:
+                    for feed in feeds:
+                        self._want_again(feed)
+                    extra = {"action": "events_read", "users": len(feeds)}
+                    if isinstance(exc, errors.DatabaseUnavailable):
+                        log.warning("events: database unavailable", extra=extra)
+                    else:
+                        log.exception("events: read failed", extra=extra)
+                    return
+                finally:
+                    for feed in feeds:
+                        feed.pumping = False
+        finally:
+            self._pumps -= 1
+
+    async def _read(self, feeds: list[_Feed]) -> list[tuple[_Feed, Sequence[JobEvent]]]:
+        """The new events of every feed in ``feeds``, in one statement; cursors move past them.
+        A feed whose page was cut is wanted again."""
         async with self._reads:
-            page = await self.db.events_after(
-                feed.user_id, feed.cursor, self.settings.page, self.settings.page_bytes
+            pages = await self.db.events_after_many(
+                {f.user_id: f.cursor or 0 for f in feeds},
+                self.settings.page,
+                self.settings.page_bytes,
             )
-        events = page.events
-        if page.more:
-            feed.dirty = True  # read on
-        if not events:
+        read: list[tuple[_Feed, Sequence[JobEvent]]] = []
+        for feed in feeds:
+            page = pages[feed.user_id]
+            if page.more:
+                self._want_again(feed)  # read on, in the next batch
+            if page.events:
+                read.append((feed, page.events))
+                feed.cursor = page.events[-1].event_id
+        return read
+
+    async def _fan_out(self, read: list[tuple[_Feed, Sequence[JobEvent]]]) -> None:
+        """The events read as frames to each feed's subscribers; then, for the feeds whose
+        queue moved, a ``position`` frame (one more statement for all of them, after the
+        events went: they do not wait for it)."""
+        if not read:
             return
-        feed.cursor = events[-1].event_id
-        frames = await encoded(event_frames, events)
-        for event in events:
-            if event.job is not None:
-                feed.positions[event.job.id] = event.job.queue_position
-        if any(e.kind in QUEUE_LEAVING_KINDS for e in events):
-            async with self._reads:
-                positions = await self.db.queue_positions(feed.user_id)
-            frames.extend(self._moved(feed, positions))
+        every = await encoded(event_frames, [e for _, events in read for e in events])
+        leaving: list[_Feed] = []
+        at = 0
+        for feed, events in read:
+            self._offer(feed, every[at : at + len(events)])
+            at += len(events)
+            for event in events:
+                if event.job is not None:
+                    feed.positions[event.job.id] = event.job.queue_position
+            if any(e.kind in QUEUE_LEAVING_KINDS for e in events):
+                leaving.append(feed)
         self.batches += 1
+        if leaving:
+            async with self._reads:
+                positions = await self.db.queue_positions_many([f.user_id for f in leaving])
+            for feed in leaving:
+                moved = self._moved(feed, positions[feed.user_id])
+                if moved:
+                    self._offer(feed, moved)
+
+    def _offer(self, feed: _Feed, frames: list[Frame]) -> None:
         for sub in list(feed.subs):
             if not sub.offer(frames):
                 self._drop(sub)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -77,7 +77,7 @@ SAFE_TO_REPEAT = frozenset(
         "job_list_page",
         "job_for_recheck",
         "job_event_head",
-        "job_event_page",
+        "job_event_pages",
         "job_queue_positions",
         "sweep_users_to_promote",
         "sweep_pending_due",
@@ -667,22 +667,46 @@ class Database:
     ) -> EventPage:
         """The user's events after ``after_id``, oldest first: at most ``limit`` of them and
         about ``max_bytes`` of job summaries, but always at least one if there is one."""
-        rows = await self._fetch("job_event_page", user_id, after_id, limit, max_bytes)
-        events = tuple(
-            JobEvent(
-                r["event_id"],
-                EventKind(r["kind"]),
-                r["event_at"],
-                JobSummary.from_row(r) if r["id"] is not None else None,
-            )
-            for r in rows
+        return (await self.events_after_many({user_id: after_id}, limit, max_bytes))[user_id]
+
+    async def events_after_many(
+        self, cursors: Mapping[str, int], limit: int, max_bytes: int = 1 << 20
+    ) -> dict[str, EventPage]:
+        """``events_after`` for each user of ``cursors`` (user -> after this id), in one
+        statement: a page for every user, empty where nothing came after."""
+        users = list(cursors)
+        rows = await self._fetch(
+            "job_event_pages", users, [cursors[u] for u in users], limit, max_bytes
         )
-        return EventPage(events, more=bool(rows) and bool(rows[0]["more"]))
+        found: dict[str, list[Any]] = {u: [] for u in users}
+        for r in rows:
+            found[r["feed_user_id"]].append(r)
+        return {
+            user: EventPage(
+                tuple(
+                    JobEvent(
+                        r["event_id"],
+                        EventKind(r["kind"]),
+                        r["event_at"],
+                        JobSummary.from_row(r) if r["id"] is not None else None,
+                    )
+                    for r in mine
+                ),
+                more=bool(mine) and bool(mine[0]["more"]),
+            )
+            for user, mine in found.items()
+        }
 
     async def queue_positions(self, user_id: str) -> list[QueuePosition]:
         """Where each of the user's queued jobs stands, in queue order."""
-        rows = await self._fetch("job_queue_positions", user_id)
-        return [QueuePosition(r["id"], r["queue_position"]) for r in rows]
+        return (await self.queue_positions_many([user_id]))[user_id]
+
+    async def queue_positions_many(self, users: Sequence[str]) -> dict[str, list[QueuePosition]]:
+        """``queue_positions`` for each of ``users``, in one statement."""
+        found: dict[str, list[QueuePosition]] = {u: [] for u in users}
+        for r in await self._fetch("job_queue_positions", list(users)):
+            found[r["user_id"]].append(QueuePosition(r["id"], r["queue_position"]))
+        return found
 
     async def prune_events(self, retention_s: float, limit: int) -> int:
         row = await self._fetchrow("job_event_prune", retention_s, limit)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 import orjson
@@ -130,6 +130,7 @@ class _Reads:
 
     def __init__(self) -> None:
         self.live: list[str] = []
+        self.reads: list[list[str]] = []  # the users of each live read
         self.gate = asyncio.Event()
 
     async def event_head(self, user_id: str) -> int:
@@ -142,8 +143,17 @@ class _Reads:
         await self.gate.wait()
         return EventPage((), more=False)
 
+    async def events_after_many(
+        self, cursors: Mapping[str, int], limit: int, max_bytes: int = 1 << 20
+    ) -> dict[str, EventPage]:
+        self.reads.append(list(cursors))
+        return {u: await self.events_after(u, after, limit) for u, after in cursors.items()}
+
     async def queue_positions(self, user_id: str) -> list[QueuePosition]:
         return []
+
+    async def queue_positions_many(self, users: Sequence[str]) -> dict[str, list[QueuePosition]]:
+        return {u: [] for u in users}
 
     async def list_jobs(
         self, user_id: str, *, before_seq: int | None = None, limit: int = 50
@@ -192,6 +202,25 @@ async def test_catch_ups_go_one_at_a_time_per_user_and_never_hold_up_live_delive
         event.set()
     reads.gate.set()
     await asyncio.gather(*tasks)
+    await hub.stop()
+
+
+async def test_users_woken_during_a_read_are_read_together_next() -> None:
+    reads = _Reads()
+    hub = EventHub(reads, HubSettings(read_concurrency=1, batch_users=3), Metrics())
+    for user in "abcdef":
+        await hub.subscribe(user)
+    hub.notify("a")
+    await _turns()
+    assert reads.reads == [["a"]]  # idle: a read of one, at once
+    for user in "bcdae":
+        hub.notify(user)  # a again, while its read is in flight
+    hub.notify("b")  # already waiting: once
+    await _turns()
+    assert reads.reads == [["a"]], "one read in flight at a time here"
+    reads.gate.set()
+    await _turns()
+    assert reads.reads == [["a"], ["b", "c", "d"], ["a", "e"]]
     await hub.stop()
 
 
