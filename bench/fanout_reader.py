@@ -4,9 +4,10 @@ so that reading thousands of streams does not share an event loop with the load 
 Reads a JSON spec on stdin's first line: ``{"bases": [...], "users": [...], "tabs": 5,
 "secret": ...}``. Opens ``tabs`` streams (``GET /v1/events``) per user, a user's tabs spread
 over the instances in turn, and prints ``ready <streams>`` once each has its snapshot. Then
-records, for every stored event, when each tab received it. On ``stop <events> <since>``
+records, for every stored event, when each tab received it. On ``stop <events> <paced> <idle>``
 (stdin) it waits until that many events reached every tab (at most 30 s), prints one JSON line
-of results, those before ``since`` (epoch seconds) apart from those after, and exits.
+of results, the events before ``paced`` (epoch seconds: the drain), from then to ``idle`` and
+after it apart, and exits.
 
 Latency is the receipt (this machine's clock) minus the event's ``at`` (``job_events.created_at``,
 ``clock_timestamp()`` in the trigger, a moment before its transaction commits): a little more
@@ -138,13 +139,14 @@ async def main() -> None:
         deadline = time.monotonic() + 30
         while out.complete < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        idle_from = float(command[2])  # events from then on: single clicks, a quiet machine
+        paced_from, idle_from = float(command[2]), float(command[3])
         result = {
             "streams": len(tasks),
             "expected_events": expected,
             "frames_received": out.frames,
-            **out.summary(tabs, until=idle_from),
-            "idle": out.summary(tabs, since=idle_from),
+            **out.summary(tabs, until=paced_from),  # the drain
+            "paced": out.summary(tabs, since=paced_from, until=idle_from),
+            "idle": out.summary(tabs, since=idle_from),  # single clicks, a quiet machine
         }
         for t in tasks:
             t.cancel()

@@ -1307,7 +1307,21 @@ async def _probed_drain(
 
 
 FANOUT_JOBS = 5  # per user, in each drain
-FANOUT_IDLE_CLICKS = 50  # after the drain, one at a time
+FANOUT_PACED_PER_S = 100  # after the drain, a click per user at this rate
+FANOUT_IDLE_CLICKS = 50  # then, one at a time
+
+
+async def _paced_clicks(
+    http: aiohttp.ClientSession, bases: list[str], users: list[str], per_s: float
+) -> None:
+    """One click per user, ``per_s`` a second on a fixed schedule (not one after another)."""
+    start = time.perf_counter()
+
+    async def click(n: int, user: str) -> None:
+        await asyncio.sleep(max(0.0, start + n / per_s - time.perf_counter()))
+        await admit(user_client(bases[n % len(bases)], http, user), FANOUT_JOBS)
+
+    await asyncio.gather(*(click(n, u) for n, u in enumerate(users)))
 
 
 def _rss_mb(proc: Proc) -> float:
@@ -1330,7 +1344,7 @@ async def bench_fanout(
     watched = [f"w{i}" for i in range(users_n)]
     async with fresh_database(server) as dsn:
         await grant_all(dsn, [*quiet, "probe"], FANOUT_JOBS)
-        await grant_all(dsn, watched, FANOUT_JOBS + 1)  # one more each: the idle clicks
+        await grant_all(dsn, watched, FANOUT_JOBS + 2)  # the paced click and the idle one
         async with running_stack(dsn, tmp, http, instances=2) as (base, _sim, svc):
             bases: list[str] = svc.bases  # type: ignore[attr-defined]
             procs: list[Proc] = svc.peers  # type: ignore[attr-defined]
@@ -1371,29 +1385,37 @@ async def bench_fanout(
                 scans0 = await conn.fetchval(scans)
                 t_drain = time.perf_counter()
                 streamed = await _probed_drain(dsn, http, bases, watched, probe_token)
-                # Then a quiet machine: one click now and then, each a burst of four events.
+                drain_s = time.perf_counter() - t_drain
+                reader_cpu = psutil.Process(reader.pid).cpu_times()
+                service_cpu = (sum(p.cpu_s() for p in procs) - service_cpu0) / drain_s
+                machine = psutil.cpu_times()
+                await asyncio.sleep(1)  # the drain's last reads are in the statistics
+                # One scan per user each time an instance reads its events: reads per event.
+                drain_events = await conn.fetchval(
+                    "SELECT count(*) FROM job_events WHERE user_id = ANY($1::text[])", watched
+                )
+                event_reads = await conn.fetchval(scans) - scans0
+                # Then the same streams under a steady, lighter load: one click per user, paced.
+                paced_from = time.time()
+                await _paced_clicks(http, bases, watched, FANOUT_PACED_PER_S)
+                await _wait_all_terminal(dsn, len(watched) * (FANOUT_JOBS + 1), 60, watched)
+                # And on a quiet machine: one click now and then, each a burst of events.
+                await asyncio.sleep(1)
                 idle_from = time.time()
                 for n, user in enumerate(watched[:FANOUT_IDLE_CLICKS]):
-                    await admit(user_client(bases[n % 2], http, user), FANOUT_JOBS)
+                    await admit(user_client(bases[n % 2], http, user), FANOUT_JOBS + 1)
                     await asyncio.sleep(0.2)
                 await _wait_all_terminal(
-                    dsn, len(watched) * FANOUT_JOBS + FANOUT_IDLE_CLICKS, 60, watched
+                    dsn, len(watched) * (FANOUT_JOBS + 1) + FANOUT_IDLE_CLICKS, 60, watched
                 )
                 events = await conn.fetchval(
                     "SELECT count(*) FROM job_events WHERE user_id = ANY($1::text[])", watched
                 )
-                await asyncio.sleep(1)  # the last reads are in the statistics
-                # One scan per user each time an instance reads its events: reads per event.
-                event_reads = await conn.fetchval(scans) - scans0
             finally:
                 await conn.close()
-            reader.stdin.write(f"stop {events} {idle_from}\n".encode())
+            reader.stdin.write(f"stop {events} {paced_from} {idle_from}\n".encode())
             delivered = json.loads(await reader.stdout.readline())
-            reader_cpu = psutil.Process(reader.pid).cpu_times()
-            drain_s = time.perf_counter() - t_drain
             await reader.wait()
-            service_cpu = (sum(p.cpu_s() for p in procs) - service_cpu0) / drain_s
-            machine = psutil.cpu_times()
             machine_cpu = (
                 machine.user + machine.system - machine0.user - machine0.system
             ) / drain_s
@@ -1412,7 +1434,7 @@ async def bench_fanout(
         "drain_without_streams": without,
         "drain_with_streams": streamed,
         "delivery": delivered,
-        "job_events_scans_per_event": event_reads / max(events, 1),
+        "job_events_scans_per_event": event_reads / max(drain_events, 1),
         "cpu_cores_during_drain": {
             "service": service_cpu,
             "reader": (reader_cpu.user + reader_cpu.system - reader_cpu0.user - reader_cpu0.system)
@@ -1436,8 +1458,14 @@ def print_fanout(r: dict[str, Any]) -> None:
     print(
         f"  change -> every tab: p50 {d['every_tab_ms']['p50']:.0f} ms, p99"
         f" {d['every_tab_ms']['p99']:.0f} ms, max {d['every_tab_ms']['max']:.0f} ms;"
-        f" {d['reached_every_tab'] + d['idle']['reached_every_tab']:,}/{d['expected_events']:,}"
+        f" {d['reached_every_tab'] + d['paced']['reached_every_tab'] + d['idle']['reached_every_tab']:,}"
+        f"/{d['expected_events']:,}"
         " events reached every tab"
+    )
+    p = d["paced"]["every_tab_ms"]
+    print(
+        f"  the same under {FANOUT_PACED_PER_S} clicks/s ({d['paced']['events']} events):"
+        f" p50 {p['p50']:.0f} ms, p99 {p['p99']:.0f} ms, max {p['max']:.0f} ms"
     )
     i = d["idle"]["every_tab_ms"]
     print(
