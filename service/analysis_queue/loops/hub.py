@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -94,9 +95,6 @@ class Frame:
 
     event_id: int | None
     data: bytes
-
-
-_CLOSED = Frame(None, b"")  # wakes a reader whose subscription was closed
 
 
 def encode(event_type: str, payload: dict[str, Any], event_id: int | None = None) -> bytes:
@@ -163,12 +161,16 @@ async def encoded(make: Callable[[Sequence[T]], list[Frame]], items: Sequence[T]
 
 
 class Subscription:
-    """One open stream's buffer. The hub offers frames; the stream takes them."""
+    """One open stream's buffer. The hub offers frames; the stream takes them.
+
+    A plain deque and one future per wait: a drain wakes every stream once per batch, so
+    the wake-up is one future's result, not a queue's getter task and timer each time."""
 
     def __init__(self, user_id: str, buffer_frames: int) -> None:
         self.user_id = user_id
         self._limit = buffer_frames
-        self._queue: asyncio.Queue[Frame] = asyncio.Queue()
+        self._frames: deque[Frame] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # the stream's wait in next()
         self.closed = False
         self.reason: str | None = None
         self.writing = False  # the stream is inside a write to its client
@@ -179,11 +181,16 @@ class Subscription:
         The buffer thus never holds more than ``buffer_frames`` plus one batch."""
         if self.closed:
             return True
-        if self._queue.qsize() >= self._limit:
+        if len(self._frames) >= self._limit:
             return False
-        for frame in frames:
-            self._queue.put_nowait(frame)
+        self._frames.extend(frames)
+        self._wake()
         return True
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def close(self, reason: str) -> None:
         """Wake the reader and let it end its stream. A reader that is stuck in a write (its
@@ -192,27 +199,33 @@ class Subscription:
             return
         self.closed = True
         self.reason = reason
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queue.put_nowait(_CLOSED)
+        self._frames.clear()
+        self._wake()
         if (reason == "overflow" or self.writing) and self.on_abort is not None:
             self.on_abort()
 
     async def next(self, timeout_s: float) -> list[Frame] | None:
         """Every frame buffered now, waiting up to ``timeout_s`` for the first; ``[]`` on a
         timeout; None once the subscription is closed."""
+        if not self._frames and not self.closed:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            expiry = loop.call_later(timeout_s, _expire, waiter)
+            try:
+                await waiter
+            finally:
+                expiry.cancel()
+                self._waiter = None
         if self.closed:
             return None
-        try:
-            first = await asyncio.wait_for(self._queue.get(), timeout_s)
-        except TimeoutError:
-            return None if self.closed else []
-        frames = [first]
-        while not self._queue.empty():
-            frames.append(self._queue.get_nowait())
-        if self.closed or any(f is _CLOSED for f in frames):
-            return None
+        frames = list(self._frames)
+        self._frames.clear()
         return frames
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _Feed:
