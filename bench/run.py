@@ -757,6 +757,30 @@ async def _metric(http: aiohttp.ClientSession, base: str, name: str) -> float:
     )
 
 
+async def _buckets(http: aiohttp.ClientSession, bases: list[str], name: str) -> dict[float, float]:
+    """A histogram's cumulative buckets (upper bound -> count), summed over instances."""
+    out: dict[float, float] = {}
+    for base in bases:
+        async with http.get(f"{base}/metrics") as r:
+            text = await r.text()
+        for line in text.splitlines():
+            if line.startswith(name + "_bucket{"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                bound = float("inf") if le == "+Inf" else float(le)
+                out[bound] = out.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _share_over(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
+    """Of the observations between two scrapes, the share above each bucket bound."""
+    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    return {
+        f"over_{int(b * 1000)}ms": (total - (after[b] - before.get(b, 0.0))) / total
+        for b in sorted(after)
+        if b != float("inf") and b >= 0.05 and total
+    }
+
+
 async def _group_commits(http: aiohttp.ClientSession, base: str) -> dict[str, dict[str, float]]:
     """The dispatcher's group commits, from the service's /metrics: jobs and statements."""
     async with http.get(f"{base}/metrics") as r:
@@ -1383,12 +1407,17 @@ async def bench_fanout(
             conn = await asyncpg.connect(dsn)
             try:
                 scans0 = await conn.fetchval(scans)
+                lag0 = await _buckets(http, bases, "aq_notification_lag_seconds")
                 t_drain = time.perf_counter()
                 streamed = await _probed_drain(dsn, http, bases, watched, probe_token)
                 drain_s = time.perf_counter() - t_drain
                 reader_cpu = psutil.Process(reader.pid).cpu_times()
                 service_cpu = (sum(p.cpu_s() for p in procs) - service_cpu0) / drain_s
                 machine = psutil.cpu_times()
+                # How late the NOTIFYs themselves arrived at the listeners (change -> listener).
+                notify_lag = _share_over(
+                    lag0, await _buckets(http, bases, "aq_notification_lag_seconds")
+                )
                 await asyncio.sleep(1)  # the drain's last reads are in the statistics
                 # One scan per user each time an instance reads its events: reads per event.
                 drain_events = await conn.fetchval(
@@ -1435,6 +1464,7 @@ async def bench_fanout(
         "drain_with_streams": streamed,
         "delivery": delivered,
         "job_events_scans_per_event": event_reads / max(drain_events, 1),
+        "notifications_late_during_drain": notify_lag,
         "cpu_cores_during_drain": {
             "service": service_cpu,
             "reader": (reader_cpu.user + reader_cpu.system - reader_cpu0.user - reader_cpu0.system)
@@ -1471,6 +1501,23 @@ def print_fanout(r: dict[str, Any]) -> None:
     print(
         f"  the same on a quiet machine ({d['idle']['events']} events of single clicks):"
         f" p50 {i['p50']:.0f} ms, p99 {i['p99']:.0f} ms, max {i['max']:.0f} ms"
+    )
+    lag = d.get("reader_lag_ms")
+    if lag:
+        print(
+            "  the reader's own loop late by, p99: "
+            + ", ".join(f"{k} {v['p99']:.0f} ms" for k, v in lag.items())
+        )
+    late = r.get("notifications_late_during_drain")
+    if late:
+        print(
+            "  NOTIFYs that reached a listener later than, during the drain: "
+            + ", ".join(f"{k[5:]} {v:.1%}" for k, v in late.items())
+        )
+    cpu = r["cpu_cores_during_drain"]
+    print(
+        f"  cores busy during the drain: service {cpu['service']:.2f}, reader"
+        f" {cpu['reader']:.2f}, machine {cpu['machine']:.2f}"
     )
     for label, k in (("without streams", "drain_without_streams"), ("with", "drain_with_streams")):
         x = r[k]
