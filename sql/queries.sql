@@ -263,10 +263,17 @@ SELECT coalesce((SELECT last_id FROM job_event_counters WHERE user_id = $1), 0) 
 -- $2 after these event ids (the same order), $3 at most this many events per user, $4 and
 -- about this many bytes of summaries per user. A user's first event comes whatever it weighs,
 -- so a page always makes progress; ``more`` on every row says whether events after its user's
--- page may be waiting (the page was cut by count or by bytes). One statement for all the users
--- an instance's streams are waiting on: the hub reads them together (loops/hub.py).
-SELECT f.user_id AS feed_user_id, page.*
+-- page may be waiting (the page was cut by count or by bytes); ``queued_ids`` on every row, the
+-- user's queued first-pass jobs in queue order as this statement sees them (the positions the
+-- stream's ``position`` frames report). One statement for all the users an instance's streams
+-- are waiting on: the hub reads them together (loops/hub.py).
+SELECT f.user_id AS feed_user_id, qa.queued_ids, page.*
   FROM unnest($1::text[], $2::bigint[]) AS f(user_id, after_id)
+ CROSS JOIN LATERAL (
+    SELECT coalesce(array_agg(q.id ORDER BY q.queue_seq), '{}') AS queued_ids
+      FROM analysis_jobs q
+     WHERE q.user_id = f.user_id AND q.status = 'queued'
+       AND aq_first_pass_v1(q.delta_of_job_id)) qa
  CROSS JOIN LATERAL (
     WITH page AS (
         SELECT e.event_id, e.kind, e.created_at AS event_at, s.*,
@@ -277,14 +284,10 @@ SELECT f.user_id AS feed_user_id, page.*
          WHERE e.user_id = f.user_id AND e.event_id > f.after_id
          ORDER BY e.event_id
          LIMIT $3)
-    SELECT page.*, p.queue_position,
+    SELECT page.*, array_position(qa.queued_ids, page.id) AS queue_position,
            (SELECT count(*) FROM page) = $3
                OR EXISTS (SELECT 1 FROM page c WHERE c.bytes_through - c.own_bytes >= $4) AS more
       FROM page
-      LEFT JOIN (SELECT q.id, row_number() OVER (ORDER BY q.queue_seq) AS queue_position
-                   FROM analysis_jobs q
-                  WHERE q.user_id = f.user_id AND q.status = 'queued'
-                    AND aq_first_pass_v1(q.delta_of_job_id)) p ON p.id = page.id
      WHERE page.bytes_through - page.own_bytes < $4) page
  ORDER BY f.user_id, page.event_id;
 

@@ -265,10 +265,12 @@ class JobEvent:
 
 @dataclass(frozen=True, slots=True)
 class EventPage:
-    """A page of a user's event log; ``more``: events after it may be waiting."""
+    """A page of a user's event log; ``more``: events after it may be waiting. ``queued``: the
+    user's queued first-pass jobs in queue order, read with the page (empty with no events)."""
 
     events: tuple[JobEvent, ...]
     more: bool
+    queued: tuple[UUID, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,10 +21,10 @@ own, so that new streams' catch-up (a snapshot or a replay, one at a time per us
 once in all) never delays another user's events.
 
 "Position changed": a job leaving a user's queue (promoted, cancelled, deleted) moves the
-user's other queued jobs up. These moves are not stored: after a batch holding such an event
-the hub reads the user's queue positions and sends one ``position`` frame, without an id, that
-lists ``{id, queue_position}`` for each job whose position differs from what the feed last
-sent.
+user's other queued jobs up. These moves are not stored: the read of a user's events also reads
+the user's queue, and after a batch holding such an event the hub sends one ``position`` frame,
+without an id, that lists ``{id, queue_position}`` for each job whose position differs from
+what the feed last sent.
 """
 
 from __future__ import annotations
@@ -258,10 +258,6 @@ class EventReads(Protocol):
 
     async def queue_positions(self, user_id: str) -> list[QueuePosition]: ...
 
-    async def queue_positions_many(
-        self, users: Sequence[str]
-    ) -> dict[str, list[QueuePosition]]: ...
-
     async def list_jobs(
         self, user_id: str, *, before_seq: int | None = None, limit: int = 50
     ) -> list[JobSummary]: ...
@@ -421,50 +417,45 @@ class EventHub:
         finally:
             self._pumps -= 1
 
-    async def _read(self, feeds: list[_Feed]) -> list[tuple[_Feed, Sequence[JobEvent]]]:
-        """The new events of every feed in ``feeds``, in one statement; cursors move past them.
-        A feed whose page was cut is wanted again."""
+    async def _read(self, feeds: list[_Feed]) -> list[tuple[_Feed, EventPage]]:
+        """The new events of every feed in ``feeds``, with each user's queue, in one statement;
+        cursors move past them. A feed whose page was cut is wanted again."""
         async with self._reads:
             pages = await self.db.events_after_many(
                 {f.user_id: f.cursor or 0 for f in feeds},
                 self.settings.page,
                 self.settings.page_bytes,
             )
-        read: list[tuple[_Feed, Sequence[JobEvent]]] = []
+        read: list[tuple[_Feed, EventPage]] = []
         for feed in feeds:
             page = pages[feed.user_id]
             if page.more:
                 self._want_again(feed)  # read on, in the next batch
             if page.events:
-                read.append((feed, page.events))
+                read.append((feed, page))
                 feed.cursor = page.events[-1].event_id
         return read
 
-    async def _fan_out(self, read: list[tuple[_Feed, Sequence[JobEvent]]]) -> None:
-        """The events read as frames to each feed's subscribers; then, for the feeds whose
-        queue moved, a ``position`` frame (one more statement for all of them, after the
-        events went: they do not wait for it)."""
+    async def _fan_out(self, read: list[tuple[_Feed, EventPage]]) -> None:
+        """The events read as frames to each feed's subscribers, each followed, where the
+        user's queue moved, by a ``position`` frame from the queue read with them."""
         if not read:
             return
-        every = await encoded(event_frames, [e for _, events in read for e in events])
-        leaving: list[_Feed] = []
+        every = await encoded(event_frames, [e for _, page in read for e in page.events])
         at = 0
-        for feed, events in read:
+        for feed, page in read:
+            events = page.events
             self._offer(feed, every[at : at + len(events)])
             at += len(events)
             for event in events:
                 if event.job is not None:
                     feed.positions[event.job.id] = event.job.queue_position
             if any(e.kind in QUEUE_LEAVING_KINDS for e in events):
-                leaving.append(feed)
-        self.batches += 1
-        if leaving:
-            async with self._reads:
-                positions = await self.db.queue_positions_many([f.user_id for f in leaving])
-            for feed in leaving:
-                moved = self._moved(feed, positions[feed.user_id])
+                queue = [QueuePosition(job, n) for n, job in enumerate(page.queued, 1)]
+                moved = self._moved(feed, queue)
                 if moved:
                     self._offer(feed, moved)
+        self.batches += 1
 
     def _offer(self, feed: _Feed, frames: list[Frame]) -> None:
         for sub in list(feed.subs):

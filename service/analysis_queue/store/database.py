@@ -673,7 +673,8 @@ class Database:
         self, cursors: Mapping[str, int], limit: int, max_bytes: int = 1 << 20
     ) -> dict[str, EventPage]:
         """``events_after`` for each user of ``cursors`` (user -> after this id), in one
-        statement: a page for every user, empty where nothing came after."""
+        statement: a page for every user, empty where nothing came after, with the user's
+        queue as that statement saw it."""
         users = list(cursors)
         rows = await self._fetch(
             "job_event_pages", users, [cursors[u] for u in users], limit, max_bytes
@@ -693,20 +694,15 @@ class Database:
                     for r in mine
                 ),
                 more=bool(mine) and bool(mine[0]["more"]),
+                queued=tuple(mine[0]["queued_ids"]) if mine else (),
             )
             for user, mine in found.items()
         }
 
     async def queue_positions(self, user_id: str) -> list[QueuePosition]:
         """Where each of the user's queued jobs stands, in queue order."""
-        return (await self.queue_positions_many([user_id]))[user_id]
-
-    async def queue_positions_many(self, users: Sequence[str]) -> dict[str, list[QueuePosition]]:
-        """``queue_positions`` for each of ``users``, in one statement."""
-        found: dict[str, list[QueuePosition]] = {u: [] for u in users}
-        for r in await self._fetch("job_queue_positions", list(users)):
-            found[r["user_id"]].append(QueuePosition(r["id"], r["queue_position"]))
-        return found
+        rows = await self._fetch("job_queue_positions", [user_id])
+        return [QueuePosition(r["id"], r["queue_position"]) for r in rows]
 
     async def prune_events(self, retention_s: float, limit: int) -> int:
         row = await self._fetchrow("job_event_prune", retention_s, limit)

@@ -152,9 +152,6 @@ class _Reads:
     async def queue_positions(self, user_id: str) -> list[QueuePosition]:
         return []
 
-    async def queue_positions_many(self, users: Sequence[str]) -> dict[str, list[QueuePosition]]:
-        return {u: [] for u in users}
-
     async def list_jobs(
         self, user_id: str, *, before_seq: int | None = None, limit: int = 50
     ) -> list[JobSummary]:
