@@ -1380,7 +1380,20 @@ async def bench_fanout(
                 await admit(prober, n)
             await _wait_all_terminal(dsn, FANOUT_JOBS, 60, ["probe"])
             probe_token = mint_token("probe", SECRETS["AQ_JWT_SECRET"])
-            without = await _probed_drain(dsn, http, bases, quiet, probe_token)
+            xacts = (
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database"
+                " WHERE datname = current_database()"
+            )
+            conn = await asyncpg.connect(dsn)
+            try:
+                xacts0 = await conn.fetchval(xacts)
+                without = await _probed_drain(dsn, http, bases, quiet, probe_token)
+                await asyncio.sleep(1)  # the instances' statistics are flushed
+                without["transactions_per_job"] = (await conn.fetchval(xacts) - xacts0) / without[
+                    "jobs"
+                ]
+            finally:
+                await conn.close()
             rss_before = [_rss_mb(p) for p in procs]
             reader = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -1407,6 +1420,7 @@ async def bench_fanout(
             conn = await asyncpg.connect(dsn)
             try:
                 scans0 = await conn.fetchval(scans)
+                xacts0 = await conn.fetchval(xacts)
                 lag0 = await _buckets(http, bases, "aq_notification_lag_seconds")
                 t_drain = time.perf_counter()
                 streamed = await _probed_drain(dsn, http, bases, watched, probe_token)
@@ -1424,6 +1438,9 @@ async def bench_fanout(
                     "SELECT count(*) FROM job_events WHERE user_id = ANY($1::text[])", watched
                 )
                 event_reads = await conn.fetchval(scans) - scans0
+                streamed["transactions_per_job"] = (await conn.fetchval(xacts) - xacts0) / streamed[
+                    "jobs"
+                ]
                 # Then the same streams under a steady, lighter load: one click per user, paced.
                 paced_from = time.time()
                 await _paced_clicks(http, bases, watched, FANOUT_PACED_PER_S)
@@ -1522,7 +1539,8 @@ def print_fanout(r: dict[str, Any]) -> None:
     for label, k in (("without streams", "drain_without_streams"), ("with", "drain_with_streams")):
         x = r[k]
         print(
-            f"  drain {label}: {x['jobs_per_s']:.0f} jobs/s; another user's list p50"
+            f"  drain {label}: {x['jobs_per_s']:.0f} jobs/s,"
+            f" {x.get('transactions_per_job', 0):.2f} transactions per job; another user's list p50"
             f" {x['other_user_list_ms']['p50']:.1f} ms, p99 {x['other_user_list_ms']['p99']:.1f} ms"
         )
 
